@@ -1,0 +1,151 @@
+"""optimize(model): swap reference-style BERT encoders and encoder blocks for fast ones.
+
+Recognition is by structure plus class name, so the book's classes (the d2l package, a
+notebook copy) are swapped as well as ours. The fast modules adopt the original
+submodules, so every Parameter is the very same object (an optimizer built before the swap
+keeps working). A variant we cannot run exactly is left as it is, with a warning naming it.
+"""
+
+import warnings
+
+import torch
+from torch import nn
+
+from .backend import resolve_backend
+from .modules import FastBERTEncoder, FastEncoderBlock
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _require(condition, why):
+    if not condition:
+        raise _Unsupported(why)
+
+
+def _activation_of(module):
+    if isinstance(module, nn.ReLU):
+        return "relu"
+    if isinstance(module, nn.GELU):
+        return "gelu" if module.approximate == "none" else "gelu_tanh"
+    raise _Unsupported(f"FFN activation {type(module).__name__} (supported: ReLU, GELU)")
+
+
+def _looks_like_block(module):
+    return all(hasattr(module, name) for name in ("attention", "addnorm1", "ffn", "addnorm2"))
+
+
+def _looks_like_encoder(module):
+    return all(hasattr(module, name) for name in
+               ("token_embedding", "segment_embedding", "pos_embedding", "blks"))
+
+
+def _block_config(blk):
+    """Constructor arguments of a reference-style EncoderBlock, or _Unsupported."""
+    _require(type(blk).__name__ == "EncoderBlock", f"class name {type(blk).__name__!r}")
+    attn, ffn = blk.attention, blk.ffn
+    linears = [getattr(attn, n, None) for n in ("W_q", "W_k", "W_v", "W_o")]
+    _require(all(isinstance(m, nn.Linear) for m in linears), "attention without W_q/W_k/W_v/W_o Linear layers")
+    inner_dropout = getattr(getattr(attn, "attention", None), "dropout", None)
+    _require(isinstance(inner_dropout, nn.Dropout), "attention without attention.dropout")
+    _require(isinstance(getattr(attn, "num_heads", None), int), "attention without num_heads")
+    for addnorm in (blk.addnorm1, blk.addnorm2):
+        _require(isinstance(getattr(addnorm, "ln", None), nn.LayerNorm), "AddNorm without ln LayerNorm")
+        _require(isinstance(getattr(addnorm, "dropout", None), nn.Dropout), "AddNorm without dropout")
+    _require(all(isinstance(getattr(ffn, n, None), nn.Linear) for n in ("dense1", "dense2")),
+             "FFN without dense1/dense2 Linear layers")
+    W_q, W_k, W_v, W_o = linears
+    num_hiddens = W_o.out_features
+    dropouts = {inner_dropout.p, blk.addnorm1.dropout.p, blk.addnorm2.dropout.p}
+    _require(len(dropouts) == 1, f"different dropout rates {sorted(dropouts)}")
+    _require(all((m.bias is None) == (W_q.bias is None) for m in linears), "mixed bias settings")
+    for ln in (blk.addnorm1.ln, blk.addnorm2.ln):
+        _require(tuple(ln.normalized_shape) == (num_hiddens,),
+                 f"norm_shape {list(ln.normalized_shape)} (only [num_hiddens] = [{num_hiddens}])")
+    _require(blk.addnorm1.ln.eps == blk.addnorm2.ln.eps == 1e-5, "LayerNorm eps other than 1e-5")
+    return dict(key_size=W_k.in_features, query_size=W_q.in_features, value_size=W_v.in_features,
+                num_hiddens=num_hiddens, norm_shape=[num_hiddens],
+                ffn_num_input=ffn.dense1.in_features, ffn_num_hiddens=ffn.dense1.out_features,
+                num_heads=attn.num_heads, dropout=dropouts.pop(), use_bias=W_q.bias is not None,
+                activation=_activation_of(getattr(ffn, "relu", None)))
+
+
+def _adopt_block(fast, blk):
+    """Give ``fast`` the submodules (and so the Parameters) of reference block ``blk``."""
+    for name in ("W_q", "W_k", "W_v", "W_o"):
+        setattr(fast.attention, name, getattr(blk.attention, name))
+    fast.addnorm1.ln, fast.addnorm2.ln = blk.addnorm1.ln, blk.addnorm2.ln
+    fast.ffn.dense1, fast.ffn.dense2 = blk.ffn.dense1, blk.ffn.dense2
+    fast.train(blk.training)
+    return fast
+
+
+def _convert_block(blk, backend):
+    config = _block_config(blk)
+    _require(config["ffn_num_input"] == config["num_hiddens"] == config["query_size"]
+             == config["key_size"] == config["value_size"], "projection sizes differ from num_hiddens")
+    kwargs = dict(activation=config.pop("activation"), backend=backend)
+    with torch.device("meta"):
+        fast = FastEncoderBlock(*config.values(), **kwargs)
+    return _adopt_block(fast, blk)
+
+
+def _convert_encoder(enc, backend, skip_padding):
+    _require(type(enc).__name__ == "BERTEncoder", f"class name {type(enc).__name__!r}")
+    _require(isinstance(enc.token_embedding, nn.Embedding) and isinstance(enc.segment_embedding, nn.Embedding),
+             "token/segment embeddings that are not nn.Embedding")
+    _require(enc.segment_embedding.num_embeddings == 2, "segment table without exactly 2 rows")
+    pos = enc.pos_embedding
+    _require(isinstance(pos, torch.Tensor) and pos.dim() == 3 and pos.shape[0] == 1,
+             "pos_embedding not of shape (1, max_len, H)")
+    _require(isinstance(enc.blks, nn.Sequential) and len(enc.blks) > 0, "blks not a non-empty nn.Sequential")
+    configs = [_block_config(blk) for blk in enc.blks]
+    _require(all(c == configs[0] for c in configs), "blocks with different configurations")
+    c = configs[0]
+    _require(c["use_bias"], "attention without biases (BERTEncoder always uses them)")
+    vocab_size, num_hiddens = enc.token_embedding.weight.shape
+    _require(c["num_hiddens"] == num_hiddens == pos.shape[2], "embedding width differs from the blocks'")
+    with torch.device("meta"):
+        fast = FastBERTEncoder(vocab_size, num_hiddens, c["norm_shape"], c["ffn_num_input"],
+                               c["ffn_num_hiddens"], c["num_heads"], len(enc.blks), c["dropout"],
+                               max_len=pos.shape[1], key_size=c["key_size"],
+                               query_size=c["query_size"], value_size=c["value_size"],
+                               activation=c["activation"], skip_padding=skip_padding,
+                               backend=backend)
+    fast.token_embedding, fast.segment_embedding = enc.token_embedding, enc.segment_embedding
+    fast.pos_embedding = pos
+    for fast_blk, blk in zip(fast.blks, enc.blks):
+        _adopt_block(fast_blk, blk)
+    fast.train(enc.training)
+    return fast
+
+
+def _swap(module, backend, skip_padding, path):
+    """Return the replacement for ``module`` (or ``module`` itself, its children swapped)."""
+    for converter, looks_like, kind in ((_convert_encoder, _looks_like_encoder, "BERTEncoder"),
+                                        (_convert_block, _looks_like_block, "EncoderBlock")):
+        if isinstance(module, (FastBERTEncoder, FastEncoderBlock)) or not looks_like(module):
+            continue
+        try:
+            args = (backend, skip_padding) if converter is _convert_encoder else (backend,)
+            return converter(module, *args)
+        except _Unsupported as why:
+            warnings.warn(f"bert_fast.optimize: {path or 'model'} ({type(module).__name__}) looks like "
+                          f"a {kind} but was left untouched: unsupported {why}", stacklevel=3)
+    for name, child in module.named_children():
+        new = _swap(child, backend, skip_padding, f"{path}.{name}" if path else name)
+        if new is not child:
+            setattr(module, name, new)
+    return module
+
+
+def optimize(model, backend=None, *, skip_padding=False):
+    """Swap every reference-style BERTEncoder / EncoderBlock in ``model`` for a fast one.
+
+    Parameters are shared, not copied. ``skip_padding`` applies to swapped encoders (see
+    FastBERTEncoder). Returns the model, or the fast module if ``model`` itself was swapped.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"optimize() expects an nn.Module, got {type(model).__name__}")
+    return _swap(model, resolve_backend(backend), skip_padding, "")

@@ -1,0 +1,234 @@
+"""Drop-in fast modules. Same constructor arguments, attribute names and state_dict keys as
+the reference (``bert_fast.reference``), so ``load_state_dict(strict=True)`` works both ways
+and ``optimize()`` can hand them the original submodules. The modules only hold parameters
+and call ops; the data path is: tokens -> embedding_sum -> blocks (attention, add_layernorm,
+linear_act, add_layernorm) -> output.
+"""
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from . import ops
+from .backend import resolve_backend
+from .checks import check_encoder_inputs
+from .reference import MaskLM, NextSentencePred
+
+
+def _normalized_size(norm_shape, num_hiddens):
+    shape = (norm_shape,) if isinstance(norm_shape, int) else tuple(norm_shape)
+    if shape != (num_hiddens,):
+        raise ValueError(f"norm_shape must be [num_hiddens] = [{num_hiddens}] (LayerNorm over the "
+                         f"hidden features), got {list(shape)}; other shapes are not supported")
+    return shape
+
+
+class FastMultiHeadAttention(nn.Module):
+    """The reference MultiHeadAttention; self-attention runs one packed QKV GEMM.
+
+    Unlike the reference it does not keep ``attention_weights`` (never materialised).
+    """
+
+    def __init__(self, key_size, query_size, value_size, num_hiddens, num_heads, dropout,
+                 bias=False, *, backend=None, **kwargs):
+        super().__init__(**kwargs)
+        if num_hiddens % num_heads != 0:
+            raise ValueError(f"num_hiddens ({num_hiddens}) must be divisible by num_heads ({num_heads})")
+        self.num_heads = num_heads
+        self.backend = resolve_backend(backend)
+        self.dropout = nn.Dropout(dropout)
+        self.W_q = nn.Linear(query_size, num_hiddens, bias=bias)
+        self.W_k = nn.Linear(key_size, num_hiddens, bias=bias)
+        self.W_v = nn.Linear(value_size, num_hiddens, bias=bias)
+        self.W_o = nn.Linear(num_hiddens, num_hiddens, bias=bias)
+        self._packed_cache = None
+
+    def _packed_qkv(self):
+        """(3H, in) weight and (3H,) bias of the packed projection.
+
+        Under autograd (or compile) they are concatenated on every call so gradients reach
+        W_q/W_k/W_v. Otherwise the concatenation is cached and rebuilt only when one of the
+        six tensors is replaced or changed in place (tracked by its version counter).
+        """
+        sources = [self.W_q.weight, self.W_k.weight, self.W_v.weight]
+        has_bias = self.W_q.bias is not None
+        if has_bias:
+            sources += [self.W_q.bias, self.W_k.bias, self.W_v.bias]
+
+        def build():
+            weight = torch.cat(sources[:3])
+            return weight, (torch.cat(sources[3:]) if has_bias else None)
+
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled()
+                                             and any(t.requires_grad for t in sources)):
+            return build()
+        key = (torch.is_inference_mode_enabled(), [t._version for t in sources])
+        cache = self._packed_cache
+        if (cache is None or cache[0] != key or len(cache[1]) != len(sources)
+                or any(a is not b for a, b in zip(cache[1], sources))):
+            cache = self._packed_cache = (key, list(sources), build())
+        return cache[2]
+
+    def forward(self, queries, keys, values, valid_lens=None):
+        dropout_p = self.dropout.p if self.training else 0.0
+        if queries is keys and keys is values:
+            qkv = F.linear(queries, *self._packed_qkv())
+            context = ops.packed_self_attention(qkv, self.num_heads, valid_lens, dropout_p)
+        else:
+            context = ops.attention(self.W_q(queries), self.W_k(keys), self.W_v(values),
+                                    self.num_heads, valid_lens, dropout_p)
+        return self.W_o(context)
+
+
+class FastAddNorm(nn.Module):
+    """``LayerNorm(X + dropout(Y))`` with the reference's ``ln``/``dropout`` attributes."""
+
+    def __init__(self, normalized_shape, dropout, **kwargs):
+        super().__init__(**kwargs)
+        self.dropout = nn.Dropout(dropout)
+        self.ln = nn.LayerNorm(normalized_shape)
+
+    def forward(self, X, Y):
+        return ops.add_layernorm(Y, X, self.ln.weight, self.ln.bias, self.ln.eps,
+                                 self.dropout.p, self.training)
+
+
+class FastPositionWiseFFN(nn.Module):
+    def __init__(self, ffn_num_input, ffn_num_hiddens, ffn_num_outputs, *, activation="relu",
+                 **kwargs):
+        super().__init__(**kwargs)
+        if activation not in ops.ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ops.ACTIVATIONS}, got {activation!r}")
+        self.activation = activation
+        self.dense1 = nn.Linear(ffn_num_input, ffn_num_hiddens)
+        self.dense2 = nn.Linear(ffn_num_hiddens, ffn_num_outputs)
+
+    def forward(self, X):
+        hidden = ops.linear_act(X, self.dense1.weight, self.dense1.bias, self.activation)
+        return self.dense2(hidden)
+
+
+class FastEncoderBlock(nn.Module):
+    """The reference EncoderBlock (post-norm), fast path.
+
+    ``forward(X, valid_lens)`` as the reference. Inside FastBERTEncoder with skip_padding,
+    X is the (N, H) packed valid tokens and ``unpadding`` says where they sit in (B, L).
+    """
+
+    def __init__(self, key_size, query_size, value_size, num_hiddens, norm_shape, ffn_num_input,
+                 ffn_num_hiddens, num_heads, dropout, use_bias=False, *, activation="relu",
+                 backend=None, **kwargs):
+        super().__init__(**kwargs)
+        norm_shape = _normalized_size(norm_shape, num_hiddens)
+        for name, size in (("query_size", query_size), ("key_size", key_size),
+                           ("value_size", value_size), ("ffn_num_input", ffn_num_input)):
+            if size != num_hiddens:
+                raise ValueError(f"{name} ({size}) must equal num_hiddens ({num_hiddens}): the block "
+                                 f"feeds its hidden state to that layer")
+        self.attention = FastMultiHeadAttention(key_size, query_size, value_size, num_hiddens,
+                                                num_heads, dropout, use_bias, backend=backend)
+        self.addnorm1 = FastAddNorm(norm_shape, dropout)
+        self.ffn = FastPositionWiseFFN(ffn_num_input, ffn_num_hiddens, num_hiddens,
+                                       activation=activation)
+        self.addnorm2 = FastAddNorm(norm_shape, dropout)
+
+    def forward(self, X, valid_lens=None, *, unpadding=None):
+        if unpadding is None:
+            attended = self.attention(X, X, X, valid_lens)
+        else:
+            attended = self._attention_unpadded(X, valid_lens, unpadding)
+        Y = self.addnorm1(X, attended)
+        return self.addnorm2(Y, self.ffn(Y))
+
+    def _attention_unpadded(self, X, valid_lens, unpadding):
+        # Projections run on valid tokens only; attention itself needs the (B, L) layout,
+        # where the zero rows at padded keys are masked out by valid_lens.
+        attn = self.attention
+        qkv = ops.pad(F.linear(X, *attn._packed_qkv()), unpadding)
+        dropout_p = attn.dropout.p if attn.training else 0.0
+        context = ops.packed_self_attention(qkv, attn.num_heads, valid_lens, dropout_p)
+        return attn.W_o(ops.unpad(context, unpadding))
+
+
+class FastBERTEncoder(nn.Module):
+    """Drop-in for the reference BERTEncoder.
+
+    Keyword-only options:
+      activation: "relu" (the reference), "gelu" (erf, original BERT) or "gelu_tanh".
+      learn_pos_embedding: False keeps the reference's quirk (no gradient reaches
+        pos_embedding); True makes the position table learnable.
+      skip_padding: run everything but attention on valid tokens only (1-D valid_lens).
+        Valid positions match the exact mode; padded positions of the output are zeros
+        (the exact mode computes real values there).
+      backend: "torch" (default; see bert_fast.backend).
+      check_inputs: validate ids, lengths, shapes and devices (one host sync); set False
+        (or flip the attribute) in a production loop that already guarantees them.
+    """
+
+    def __init__(self, vocab_size, num_hiddens, norm_shape, ffn_num_input, ffn_num_hiddens,
+                 num_heads, num_layers, dropout, max_len=1000, key_size=768, query_size=768,
+                 value_size=768, *, activation="relu", learn_pos_embedding=False,
+                 skip_padding=False, backend=None, check_inputs=True, **kwargs):
+        super().__init__(**kwargs)
+        self.backend = resolve_backend(backend)
+        self.learn_pos_embedding = learn_pos_embedding
+        self.skip_padding = skip_padding
+        self.check_inputs = check_inputs
+        self.token_embedding = nn.Embedding(vocab_size, num_hiddens)
+        self.segment_embedding = nn.Embedding(2, num_hiddens)
+        self.blks = nn.Sequential()
+        for i in range(num_layers):
+            self.blks.add_module(f"{i}", FastEncoderBlock(
+                key_size, query_size, value_size, num_hiddens, norm_shape, ffn_num_input,
+                ffn_num_hiddens, num_heads, dropout, True, activation=activation,
+                backend=self.backend))
+        self.pos_embedding = nn.Parameter(torch.randn(1, max_len, num_hiddens))
+
+    def forward(self, tokens, segments, valid_lens=None):
+        if self.check_inputs:
+            check_encoder_inputs(tokens, segments, valid_lens,
+                                 vocab_size=self.token_embedding.num_embeddings,
+                                 max_len=self.pos_embedding.shape[1],
+                                 device=self.pos_embedding.device, skip_padding=self.skip_padding)
+        embed = dict(token_weight=self.token_embedding.weight,
+                     segment_weight=self.segment_embedding.weight,
+                     pos_weight=self.pos_embedding, learn_pos_embedding=self.learn_pos_embedding)
+        if not (self.skip_padding and valid_lens is not None):
+            X = ops.embedding_sum(tokens, segments, **embed)
+            for blk in self.blks:
+                X = blk(X, valid_lens)
+            return X
+        if valid_lens.dim() != 1:
+            raise ValueError("skip_padding=True needs 1-D valid_lens of shape (batch,)")
+        unpadding = ops.unpadding_for(valid_lens, tokens.shape[1])
+        X = ops.embedding_sum(ops.unpad(tokens, unpadding), ops.unpad(segments, unpadding),
+                              positions=unpadding.indices % tokens.shape[1], **embed)
+        for blk in self.blks:
+            X = blk(X, valid_lens, unpadding=unpadding)
+        return ops.pad(X, unpadding)
+
+
+class FastBERTModel(nn.Module):
+    """Drop-in for the reference BERTModel: FastBERTEncoder plus the reference's heads.
+
+    Takes FastBERTEncoder's keyword-only options.
+    """
+
+    def __init__(self, vocab_size, num_hiddens, norm_shape, ffn_num_input, ffn_num_hiddens,
+                 num_heads, num_layers, dropout, max_len=1000, key_size=768, query_size=768,
+                 value_size=768, hid_in_features=768, mlm_in_features=768,
+                 nsp_in_features=768, **options):
+        super().__init__()
+        self.encoder = FastBERTEncoder(vocab_size, num_hiddens, norm_shape, ffn_num_input,
+                                       ffn_num_hiddens, num_heads, num_layers, dropout,
+                                       max_len=max_len, key_size=key_size, query_size=query_size,
+                                       value_size=value_size, **options)
+        self.hidden = nn.Sequential(nn.Linear(hid_in_features, num_hiddens), nn.Tanh())
+        self.mlm = MaskLM(vocab_size, num_hiddens, mlm_in_features)
+        self.nsp = NextSentencePred(nsp_in_features)
+
+    def forward(self, tokens, segments, valid_lens=None, pred_positions=None):
+        encoded_X = self.encoder(tokens, segments, valid_lens)
+        mlm_Y_hat = self.mlm(encoded_X, pred_positions) if pred_positions is not None else None
+        nsp_Y_hat = self.nsp(self.hidden(encoded_X[:, 0, :]))
+        return encoded_X, mlm_Y_hat, nsp_Y_hat
