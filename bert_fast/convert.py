@@ -132,7 +132,7 @@ def _swap(module, backend, skip_padding, path):
             return converter(module, *args)
         except _Unsupported as why:
             warnings.warn(f"bert_fast.optimize: {path or 'model'} ({type(module).__name__}) looks like "
-                          f"a {kind} but was left untouched: unsupported {why}", stacklevel=3)
+                          f"a reference-style {kind} but was left untouched: unsupported {why}", stacklevel=3)
     for name, child in module.named_children():
         new = _swap(child, backend, skip_padding, f"{path}.{name}" if path else name)
         if new is not child:

@@ -1,0 +1,43 @@
+"""Shared helpers for the tests: model pairs with equal weights, and error reporting."""
+
+import torch
+
+from bert_fast import FastBERTEncoder
+from bert_fast import reference as R
+
+# Error floors of the tolerance rule in ../shared/STYLE.md (flash-attention's rule).
+FLOOR = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
+
+def encoder_config(num_heads=2, head_dim=32, num_layers=2, vocab_size=50, ffn=None, dropout=0.0,
+                   max_len=64):
+    H = num_heads * head_dim
+    return dict(vocab_size=vocab_size, num_hiddens=H, norm_shape=[H], ffn_num_input=H,
+                ffn_num_hiddens=ffn or 2 * H, num_heads=num_heads, num_layers=num_layers,
+                dropout=dropout, max_len=max_len, key_size=H, query_size=H, value_size=H)
+
+
+def encoder_pair(config, **fast_options):
+    """A reference encoder and a fast one with the reference's weights, both in eval mode."""
+    ref = R.BERTEncoder(**config).eval()
+    fast = FastBERTEncoder(**config, **fast_options).eval()
+    fast.load_state_dict(ref.state_dict(), strict=True)
+    return ref, fast
+
+
+def random_inputs(batch, seqlen, vocab_size):
+    tokens = torch.randint(0, vocab_size, (batch, seqlen))
+    segments = torch.randint(0, 2, (batch, seqlen))
+    return tokens, segments
+
+
+def max_err(actual, expected):
+    return (actual.double() - expected.double()).abs().max().item()
+
+
+def assert_close(actual, expected, atol, rtol=0.0, what="output"):
+    """|actual - expected| <= atol + rtol * max|expected|, reporting the max error."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    err = max_err(actual, expected)
+    bound = atol + rtol * expected.double().abs().max().item()
+    assert err <= bound, f"{what}: max abs error {err:.3g} > {bound:.3g}"

@@ -1,0 +1,96 @@
+"""Bad input gets a clear error that says what was wrong and what is allowed."""
+
+import pytest
+import torch
+
+from bert_fast import FastBERTEncoder, FastEncoderBlock, FastMultiHeadAttention
+from tests.helpers import encoder_config, encoder_pair, random_inputs
+
+B, L = 2, 7
+
+
+@pytest.fixture
+def fast():
+    return encoder_pair(encoder_config(max_len=16))[1]
+
+
+def call(model, tokens=None, segments=None, valid_lens="default"):
+    t, s = random_inputs(B, L, 50)
+    tokens = t if tokens is None else tokens
+    segments = s if segments is None else segments
+    valid_lens = torch.tensor([3, 7]) if isinstance(valid_lens, str) else valid_lens
+    return model(tokens, segments, valid_lens)
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(tokens=torch.tensor([[0, 1, 50, 2, 3, 4, 5], [0] * 7])), ValueError, r"token ids must be in \[0, 50\)"),
+    (dict(tokens=torch.tensor([[0, -1, 5, 2, 3, 4, 5], [0] * 7])), ValueError, r"token ids must be in \[0, 50\)"),
+    (dict(tokens=torch.zeros(B, L)), TypeError, "tokens must have an integer dtype"),
+    (dict(tokens=torch.zeros(B, L, dtype=torch.bool)), TypeError, "tokens must have an integer dtype"),
+    (dict(tokens=torch.zeros(B * L, dtype=torch.long)), ValueError, r"tokens must have shape \(batch, seq_len\)"),
+    (dict(tokens=[[1, 2]]), TypeError, "tokens must be a torch.Tensor"),
+    (dict(segments=torch.full((B, L), 2)), ValueError, "segment ids must be 0 or 1"),
+    (dict(segments=torch.full((B, L), -1)), ValueError, "segment ids must be 0 or 1"),
+    (dict(segments=torch.zeros(B, L + 1, dtype=torch.long)), ValueError, "segments must have the shape of tokens"),
+    (dict(segments=torch.zeros(B, L)), TypeError, "segments must have an integer dtype"),
+    (dict(tokens=torch.zeros(B, 17, dtype=torch.long), segments=torch.zeros(B, 17, dtype=torch.long)),
+     ValueError, "sequence length 17 exceeds max_len 16"),
+    (dict(valid_lens=torch.tensor([1, 2, 3])), ValueError, r"valid_lens must have shape \(batch,\)"),
+    (dict(valid_lens=torch.ones(B, L + 1)), ValueError, r"valid_lens must have shape \(batch,\)"),
+    (dict(valid_lens=torch.ones(B, 1, L)), ValueError, r"valid_lens must have shape \(batch,\)"),
+    (dict(valid_lens=torch.tensor([True, False])), TypeError, "valid_lens must have a real"),
+    (dict(valid_lens=torch.tensor([1.0, float("nan")])), ValueError, "valid_lens contains NaN"),
+    (dict(valid_lens=[3, 7]), TypeError, "valid_lens must be a torch.Tensor or None"),
+    (dict(tokens=torch.zeros(B, 0, dtype=torch.long), segments=torch.zeros(B, 0, dtype=torch.long),
+          valid_lens=None), ValueError, "tokens must be non-empty"),
+])
+def test_bad_inputs_raise_clear_errors(fast, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        call(fast, **kwargs)
+
+
+def test_inputs_on_another_device(fast):
+    # The meta device stands in for "another device" on a CPU-only machine.
+    tokens = torch.zeros(B, L, dtype=torch.long, device="meta")
+    with pytest.raises(ValueError, match="tokens is on meta but the model's parameters are on cpu"):
+        call(fast, tokens=tokens, segments=tokens)
+    with pytest.raises(ValueError, match="valid_lens is on meta"):
+        call(fast, valid_lens=torch.ones(B, device="meta"))
+
+
+def test_checks_can_be_turned_off():
+    cfg = encoder_config(max_len=16)
+    fast = FastBERTEncoder(**cfg, check_inputs=False).eval()
+    tokens, segments = random_inputs(B, L, 50)
+    fast(tokens, segments, torch.tensor([3, 7]))     # runs without validating
+    assert not fast.check_inputs
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(norm_shape=[7, 64]), r"norm_shape must be \[num_hiddens\]"),
+    (dict(num_heads=3), "must be divisible by num_heads"),
+    (dict(query_size=32), r"query_size \(32\) must equal num_hiddens"),
+    (dict(ffn_num_input=32), r"ffn_num_input \(32\) must equal num_hiddens"),
+])
+def test_unsupported_config(change, message):
+    with pytest.raises(ValueError, match=message):
+        FastBERTEncoder(**{**encoder_config(), **change})
+
+
+def test_unknown_options():
+    with pytest.raises(ValueError, match="activation must be one of"):
+        FastBERTEncoder(**encoder_config(), activation="swish")
+    with pytest.raises(ValueError, match="backend 'triton' is not implemented"):
+        FastBERTEncoder(**encoder_config(), backend="triton")
+    with pytest.raises(ValueError, match="unknown backend 'tpu'"):
+        FastEncoderBlock(8, 8, 8, 8, [8], 8, 16, 2, 0.0, backend="tpu")
+    with pytest.raises(ValueError, match="must be divisible"):
+        FastMultiHeadAttention(8, 8, 8, 10, 3, 0.0)
+
+
+def test_backend_from_environment(monkeypatch):
+    monkeypatch.setenv("BERT_FAST_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="backend 'cuda' is not implemented"):
+        FastBERTEncoder(**encoder_config())
+    monkeypatch.setenv("BERT_FAST_BACKEND", "torch")
+    assert FastBERTEncoder(**encoder_config()).backend == "torch"

@@ -1,0 +1,160 @@
+"""optimize(): swap reference-style encoders/blocks, sharing the very same Parameters."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import bert_fast
+from bert_fast import FastBERTEncoder, FastEncoderBlock
+from bert_fast import reference as R
+from tests.helpers import assert_close, encoder_config, random_inputs
+
+B, L = 3, 11
+
+
+def bert_model(dropout=0.0):
+    cfg = encoder_config(dropout=dropout)
+    H = cfg["num_hiddens"]
+    return R.BERTModel(**cfg, hid_in_features=H, mlm_in_features=H, nsp_in_features=H).eval()
+
+
+def inputs():
+    tokens, segments = random_inputs(B, L, 50)
+    return tokens, segments, torch.tensor([4.0, 11.0, 0.0]), torch.tensor([[1, 2], [3, 10], [0, 0]])
+
+
+def test_bert_model_swapped_outputs_equal_parameters_shared():
+    model = bert_model()
+    params_before = list(model.parameters())
+    names_before = [n for n, _ in model.named_parameters()]
+    args = inputs()
+    expected = model(*args)
+    assert bert_fast.optimize(model) is model
+    assert isinstance(model.encoder, FastBERTEncoder)
+    params_after = list(model.parameters())
+    assert len(params_after) == len(params_before)
+    assert all(a is b for a, b in zip(params_after, params_before))
+    assert [n for n, _ in model.named_parameters()] == names_before
+    for a, b in zip(model(*args), expected):
+        assert_close(a, b, atol=1e-4)
+
+
+def test_optimizer_made_before_the_swap_keeps_training():
+    model, twin = bert_model(), bert_model()
+    twin.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_twin = torch.optim.SGD(twin.parameters(), lr=0.1)
+    bert_fast.optimize(model)
+    args = inputs()
+    for m, o in ((model, opt), (twin, opt_twin)):
+        m.train()
+        o.zero_grad()
+        _, mlm, nsp = m(*args)
+        (mlm.square().mean() + nsp.square().mean()).backward()
+        o.step()
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        assert_close(a, b, atol=1e-5, what=name)
+    assert not torch.equal(model.encoder.blks[0].attention.W_q.weight,
+                           bert_model().encoder.blks[0].attention.W_q.weight)
+
+
+def test_model_that_is_the_encoder_itself():
+    enc = R.BERTEncoder(**encoder_config()).eval()
+    tokens, segments, valid_lens, _ = inputs()
+    expected = enc(tokens, segments, valid_lens)
+    fast = bert_fast.optimize(enc, skip_padding=True)
+    assert isinstance(fast, FastBERTEncoder) and fast.skip_padding
+    assert fast.token_embedding is enc.token_embedding and fast.pos_embedding is enc.pos_embedding
+    mask = torch.arange(L)[None] < valid_lens[:, None]
+    assert_close(fast(tokens, segments, valid_lens)[mask], expected[mask], atol=1e-4)
+
+
+def test_training_mode_and_dropout_carried_over():
+    model = bert_model(dropout=0.3).train()
+    bert_fast.optimize(model)
+    blk = model.encoder.blks[0]
+    assert model.encoder.training and blk.training
+    assert blk.attention.dropout.p == blk.addnorm1.dropout.p == 0.3
+
+
+def book_copy(module, name):
+    """Re-class ``module`` as a notebook copy of the book's class: same name and attributes,
+    no relation to bert_fast's classes."""
+    module.__class__ = type(name, (nn.Module,), {"forward": type(module).forward})
+    return module
+
+
+def test_notebook_copies_recognised_by_structure():
+    enc = R.BERTEncoder(**encoder_config()).eval()
+    for blk in enc.blks:
+        book_copy(blk, "EncoderBlock")
+    book_copy(enc, "BERTEncoder")
+    assert not isinstance(enc, R.BERTEncoder)
+    tokens, segments, valid_lens, _ = inputs()
+    expected = enc(tokens, segments, valid_lens)
+    holder = nn.ModuleDict({"bert": enc})
+    bert_fast.optimize(holder)
+    assert isinstance(holder["bert"], FastBERTEncoder)
+    assert_close(holder["bert"](tokens, segments, valid_lens), expected, atol=1e-4)
+
+
+def test_standalone_blocks_swapped_with_gelu_and_no_bias():
+    blocks = nn.Sequential(*[R.EncoderBlock(32, 32, 32, 32, [32], 32, 64, 4, 0.0) for _ in range(2)]).eval()
+    blocks[1].ffn.relu = nn.GELU(approximate="tanh")
+
+    class Stack(nn.Module):      # how the book's TransformerEncoder drives its blocks
+        def __init__(self):
+            super().__init__()
+            self.blks = blocks
+
+        def forward(self, X, valid_lens):
+            for blk in self.blks:
+                X = blk(X, valid_lens)
+            return X
+
+    model = Stack()
+    X, valid_lens = torch.randn(2, 6, 32), torch.tensor([[1, 2, 3, 0, 6, 6], [6, 5, 4, 3, 2, 1]])
+    expected = model(X, valid_lens)
+    bert_fast.optimize(model)
+    assert all(isinstance(b, FastEncoderBlock) for b in model.blks)
+    assert model.blks[1].ffn.activation == "gelu_tanh"
+    assert model.blks[0].attention.W_q.bias is None
+    assert_close(model(X, valid_lens), expected, atol=1e-5)
+
+
+def test_unsupported_variant_left_untouched_with_warning():
+    model = nn.Module()
+    model.block = R.EncoderBlock(8, 8, 8, 8, [5, 8], 8, 16, 2, 0.0)   # norm over (L, H)
+    with pytest.warns(UserWarning, match=r"block \(EncoderBlock\) looks like a reference-style EncoderBlock .*norm_shape \[5, 8\]"):
+        bert_fast.optimize(model)
+    assert isinstance(model.block, R.EncoderBlock)
+
+
+def test_encoder_with_unsupported_block_keeps_its_other_blocks_fast():
+    enc = R.BERTEncoder(**encoder_config()).eval()
+    enc.blks[1].ffn.relu = nn.SiLU()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = bert_fast.optimize(enc)
+    assert out is enc
+    assert any("SiLU" in str(w.message) for w in caught)
+    assert isinstance(enc.blks[0], FastEncoderBlock) and isinstance(enc.blks[1], R.EncoderBlock)
+
+
+def test_other_modules_and_bad_arguments():
+    model = nn.Sequential(nn.Linear(4, 4))
+    assert bert_fast.optimize(model) is model and isinstance(model[0], nn.Linear)
+    with pytest.raises(TypeError, match="expects an nn.Module"):
+        bert_fast.optimize("model")
+    with pytest.raises(ValueError, match="backend 'triton' is not implemented"):
+        bert_fast.optimize(bert_model(), backend="triton")
+
+
+def test_optimize_is_idempotent():
+    model = bert_model()
+    bert_fast.optimize(model)
+    enc = model.encoder
+    bert_fast.optimize(model)
+    assert model.encoder is enc

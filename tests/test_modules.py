@@ -1,0 +1,254 @@
+"""FastBERTEncoder / FastBERTModel against the eager reference: outputs and every gradient."""
+
+import pytest
+import torch
+
+from bert_fast import FastBERTEncoder, FastBERTModel, FastEncoderBlock
+from bert_fast import reference as R
+from tests.helpers import FLOOR, assert_close, encoder_config, encoder_pair, max_err, random_inputs
+
+B, L = 3, 13   # L not a multiple of 16
+
+
+def valid_lens_case(name, batch, seqlen):
+    return {
+        "none": None,
+        "int": torch.tensor([5, seqlen, 1])[:batch],
+        "float": torch.tensor([5.0, float(seqlen), 2.0])[:batch],
+        "fractional": torch.tensor([2.5, 7.25, 0.5])[:batch],
+        "zero": torch.tensor([0, 4, 0])[:batch],
+        "negative": torch.tensor([-3, 4, 2])[:batch],
+        "beyond_L": torch.tensor([seqlen + 10, 3, 100])[:batch],
+        "2d": torch.randint(-1, seqlen + 2, (batch, seqlen)),
+        "2d_float": torch.rand(batch, seqlen) * (seqlen + 2) - 1,
+    }[name]
+
+
+VALID_LENS = ["none", "int", "float", "fractional", "zero", "negative", "beyond_L", "2d", "2d_float"]
+
+
+def loss_weights(out):
+    return torch.randn_like(out)
+
+
+def compare_forward_backward(ref, fast, tokens, segments, valid_lens, atol=1e-4):
+    """Same output, and the same gradient on every parameter (names are shared)."""
+    out_ref, out_fast = ref(tokens, segments, valid_lens), fast(tokens, segments, valid_lens)
+    assert_close(out_fast, out_ref, atol=atol, what="output")
+    w = loss_weights(out_ref)
+    (out_ref * w).sum().backward()
+    (out_fast * w).sum().backward()
+    ref_params, fast_params = dict(ref.named_parameters()), dict(fast.named_parameters())
+    assert ref_params.keys() == fast_params.keys()
+    for name, p in ref_params.items():
+        q = fast_params[name]
+        if p.grad is None:
+            assert q.grad is None, f"{name}: fast has a gradient where the reference has none"
+            continue
+        assert_close(q.grad, p.grad, atol=atol, rtol=atol, what=f"grad {name}")
+
+
+@pytest.mark.parametrize("case", VALID_LENS)
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_matches_reference(case, training):
+    ref, fast = encoder_pair(encoder_config(num_heads=2, head_dim=32))
+    ref.train(training), fast.train(training)   # dropout is 0: train mode must match too
+    tokens, segments = random_inputs(B, L, 50)
+    compare_forward_backward(ref, fast, tokens, segments, valid_lens_case(case, B, L))
+
+
+@pytest.mark.parametrize("num_heads,head_dim", [(2, 192), (2, 64), (3, 32), (2, 96)])
+@pytest.mark.parametrize("case", ["int", "2d"])
+def test_head_dims(num_heads, head_dim, case):
+    ref, fast = encoder_pair(encoder_config(num_heads=num_heads, head_dim=head_dim, num_layers=1))
+    tokens, segments = random_inputs(B, L, 50)
+    compare_forward_backward(ref, fast, tokens, segments, valid_lens_case(case, B, L))
+
+
+@pytest.mark.parametrize("batch,seqlen", [(1, 13), (2, 1), (1, 1), (2, 16), (2, 33)])
+def test_odd_shapes(batch, seqlen):
+    ref, fast = encoder_pair(encoder_config())
+    tokens, segments = random_inputs(batch, seqlen, 50)
+    for valid_lens in (torch.randint(0, seqlen + 1, (batch,)), torch.randint(0, seqlen + 1, (batch, seqlen))):
+        ref.zero_grad(), fast.zero_grad()
+        compare_forward_backward(ref, fast, tokens, segments, valid_lens)
+
+
+def test_non_contiguous_inputs():
+    ref, fast = encoder_pair(encoder_config())
+    tokens = torch.randint(0, 50, (L, B)).t()                  # transposed view
+    segments = torch.randint(0, 2, (B, 2 * L))[:, ::2]         # strided view
+    valid_lens = torch.tensor([4, 0, 9, 1, 13, 2])[::2]        # strided 1-D
+    assert not tokens.is_contiguous() and not segments.is_contiguous()
+    compare_forward_backward(ref, fast, tokens, segments, valid_lens)
+    valid_lens_2d = torch.randint(0, L + 1, (L, B)).t()
+    assert_close(fast(tokens, segments, valid_lens_2d), ref(tokens, segments, valid_lens_2d), atol=1e-4)
+
+
+def test_integer_dtypes_of_inputs():
+    ref, fast = encoder_pair(encoder_config())
+    tokens, segments = random_inputs(B, L, 50)
+    valid_lens = torch.tensor([3, 13, 7], dtype=torch.int32)
+    expected = ref(tokens, segments, valid_lens)
+    out = fast(tokens.int(), segments.int(), valid_lens)
+    assert_close(out, expected, atol=1e-4)
+    assert_close(fast(tokens, segments, valid_lens.double()), expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_against_fp32_reference(dtype):
+    """STYLE.md rule: error vs the fp32 reference <= 2x the reference's own error in that
+    dtype, plus a floor (bf16 5e-2, fp16 1e-2)."""
+    ref, fast = encoder_pair(encoder_config(num_heads=2, head_dim=64))
+    tokens, segments = random_inputs(B, L, 50)
+    valid_lens = torch.tensor([5, 0, 11])
+    expected = ref(tokens, segments, valid_lens)
+    ref_low = R.BERTEncoder(**encoder_config(num_heads=2, head_dim=64)).eval()
+    ref_low.load_state_dict(ref.state_dict())
+    ref_low.to(dtype), fast.to(dtype)
+    out = fast(tokens, segments, valid_lens)
+    assert out.dtype == dtype and out.isfinite().all()
+    # In fp16 the reference's -1e6 fill overflows to -inf, so its valid_len-0 row is NaN;
+    # the fast path keeps the fp32 meaning (uniform attention). Baseline over finite rows.
+    out_low = ref_low(tokens, segments, valid_lens)
+    finite = out_low.isfinite()
+    baseline = max_err(out_low[finite], expected[finite])
+    err = max_err(out, expected)
+    assert err <= 2 * baseline + FLOOR[dtype], f"{dtype}: error {err:.3g}, reference in {dtype}: {baseline:.3g}"
+
+
+def test_learn_pos_embedding_gradient():
+    cfg = encoder_config()
+    ref, fast = encoder_pair(cfg, learn_pos_embedding=True)
+    tokens, segments = random_inputs(B, L, 50)
+    valid_lens = torch.tensor([5, 13, 0])
+    # The reference with the position table used as a learnable parameter (no .data).
+    X = ref.token_embedding(tokens) + ref.segment_embedding(segments) + ref.pos_embedding[:, :L]
+    for blk in ref.blks:
+        X = blk(X, valid_lens)
+    out = fast(tokens, segments, valid_lens)
+    assert_close(out, X, atol=1e-4)
+    w = loss_weights(X)
+    (X * w).sum().backward()
+    (out * w).sum().backward()
+    assert_close(fast.pos_embedding.grad, ref.pos_embedding.grad, atol=1e-4, rtol=1e-4, what="pos grad")
+    assert fast.pos_embedding.grad[:, L:].abs().max() == 0
+    assert fast.pos_embedding.grad[:, :L].abs().max() > 0
+
+
+def test_default_pos_embedding_gets_no_gradient():
+    _, fast = encoder_pair(encoder_config())
+    tokens, segments = random_inputs(B, L, 50)
+    fast(tokens, segments, torch.tensor([5, 13, 0])).sum().backward()
+    assert fast.pos_embedding.grad is None
+
+
+@pytest.mark.parametrize("activation,module", [("gelu", torch.nn.GELU()),
+                                               ("gelu_tanh", torch.nn.GELU(approximate="tanh"))])
+def test_gelu_activations(activation, module):
+    ref, fast = encoder_pair(encoder_config(), activation=activation)
+    for blk in ref.blks:
+        blk.ffn.relu = module    # the reference's FFN with BERT's activation
+    tokens, segments = random_inputs(B, L, 50)
+    compare_forward_backward(ref, fast, tokens, segments, torch.tensor([4, 13, 0]))
+
+
+def test_state_dict_round_trip_both_ways():
+    cfg = encoder_config()
+    ref, fast = R.BERTEncoder(**cfg), FastBERTEncoder(**cfg)
+    assert ref.state_dict().keys() == fast.state_dict().keys()
+    fast.load_state_dict(ref.state_dict(), strict=True)
+    ref2 = R.BERTEncoder(**cfg)
+    ref2.load_state_dict(fast.state_dict(), strict=True)
+    for name, t in ref.state_dict().items():
+        assert torch.equal(t, ref2.state_dict()[name]), name
+
+
+def test_block_matches_reference_block_without_bias():
+    """A standalone block, as the book's transformer encoder uses it (no attention bias)."""
+    args = (32, 32, 32, 32, [32], 32, 64, 4, 0.0)
+    ref = R.EncoderBlock(*args).eval()
+    fast = FastEncoderBlock(*args).eval()
+    fast.load_state_dict(ref.state_dict(), strict=True)
+    X = torch.randn(2, 9, 32)
+    for valid_lens in (None, torch.tensor([3, 0]), torch.randint(0, 10, (2, 9))):
+        assert_close(fast(X, valid_lens), ref(X, valid_lens), atol=1e-5)
+
+
+def test_cross_attention_matches_reference():
+    ref = R.MultiHeadAttention(16, 24, 8, 32, 4, 0.0, bias=True).eval()
+    from bert_fast import FastMultiHeadAttention
+    fast = FastMultiHeadAttention(16, 24, 8, 32, 4, 0.0, bias=True).eval()
+    fast.load_state_dict(ref.state_dict(), strict=True)
+    q, k, v = torch.randn(2, 5, 24), torch.randn(2, 7, 16), torch.randn(2, 7, 8)
+    for valid_lens in (None, torch.tensor([3, 0]), torch.randint(0, 8, (2, 5))):
+        assert_close(fast(q, k, v, valid_lens), ref(q, k, v, valid_lens), atol=1e-5)
+
+
+def test_packed_qkv_cache_follows_weight_updates():
+    ref, fast = encoder_pair(encoder_config())
+    tokens, segments = random_inputs(B, L, 50)
+    valid_lens = torch.tensor([4, 13, 7])
+    with torch.no_grad():
+        fast(tokens, segments, valid_lens)          # fills the cache
+        for model in (ref, fast):                   # in-place update, as an optimizer does
+            model.blks[0].attention.W_k.weight.mul_(1.5)
+            model.blks[1].attention.W_v.bias.add_(0.25)
+        assert_close(fast(tokens, segments, valid_lens), ref(tokens, segments, valid_lens), atol=1e-4)
+        fast.load_state_dict(R.BERTEncoder(**encoder_config()).state_dict())
+        ref.load_state_dict(fast.state_dict())
+        assert_close(fast(tokens, segments, valid_lens), ref(tokens, segments, valid_lens), atol=1e-4)
+    with torch.inference_mode():
+        expected = ref(tokens, segments, valid_lens)
+        assert_close(fast(tokens, segments, valid_lens), expected, atol=1e-4)
+    # After inference mode, a frozen model must still work with autograd on its inputs.
+    for p in fast.parameters():
+        p.requires_grad_(False)
+    assert_close(fast(tokens, segments, valid_lens), expected, atol=1e-4)
+
+
+def test_dropout_is_active_in_training_and_repeatable_by_seed():
+    cfg = encoder_config(dropout=0.5)
+    ref, fast = encoder_pair(cfg)
+    fast.train()
+    tokens, segments = random_inputs(B, L, 50)
+    valid_lens = torch.tensor([4, 13, 7])
+    torch.manual_seed(1)
+    a = fast(tokens, segments, valid_lens)
+    torch.manual_seed(1)
+    b = fast(tokens, segments, valid_lens)
+    assert torch.equal(a, b)
+    assert max_err(a, ref(tokens, segments, valid_lens)) > 1e-2
+    fast.eval()
+    assert_close(fast(tokens, segments, valid_lens), ref(tokens, segments, valid_lens), atol=1e-4)
+
+
+@pytest.mark.parametrize("with_positions", [True, False])
+def test_bert_model_matches_reference(with_positions):
+    cfg = encoder_config()
+    H = cfg["num_hiddens"]
+    heads = dict(hid_in_features=H, mlm_in_features=H, nsp_in_features=H)
+    ref = R.BERTModel(**cfg, **heads).eval()
+    fast = FastBERTModel(**cfg, **heads).eval()
+    fast.load_state_dict(ref.state_dict(), strict=True)
+    tokens, segments = random_inputs(B, L, 50)
+    valid_lens = torch.tensor([6.0, 13.0, 9.0])
+    pred_positions = torch.tensor([[1, 2, 5], [0, 12, 3], [8, 1, 1]]) if with_positions else None
+    out_ref = ref(tokens, segments, valid_lens, pred_positions)
+    out_fast = fast(tokens, segments, valid_lens, pred_positions)
+    for a, b, what in zip(out_fast, out_ref, ("encoded", "mlm", "nsp")):
+        if b is None:
+            assert a is None
+        else:
+            assert_close(a, b, atol=1e-4, what=what)
+    # Pretraining loss and its gradients.
+    if with_positions:
+        args = (tokens, segments, valid_lens, pred_positions, torch.ones(B, 3), torch.randint(0, 50, (B, 3)),
+                torch.randint(0, 2, (B,)))
+        loss_ref, loss_fast = R.pretraining_loss(ref, *args)[0], R.pretraining_loss(fast, *args)[0]
+        assert_close(loss_fast, loss_ref, atol=1e-5)
+        loss_ref.backward(), loss_fast.backward()
+        fast_params = dict(fast.named_parameters())
+        for name, p in ref.named_parameters():
+            if p.grad is not None:
+                assert_close(fast_params[name].grad, p.grad, atol=1e-4, rtol=1e-4, what=name)
