@@ -41,33 +41,18 @@ class FastMultiHeadAttention(nn.Module):
         self.W_k = nn.Linear(key_size, num_hiddens, bias=bias)
         self.W_v = nn.Linear(value_size, num_hiddens, bias=bias)
         self.W_o = nn.Linear(num_hiddens, num_hiddens, bias=bias)
-        self._packed_cache = None
 
     def _packed_qkv(self):
-        """(3H, in) weight and (3H,) bias of the packed projection.
+        """(3H, in) weight and (3H,) bias of the packed projection, concatenated per call.
 
-        Under autograd (or compile) they are concatenated on every call so gradients reach
-        W_q/W_k/W_v. Otherwise the concatenation is cached and rebuilt only when one of the
-        six tensors is replaced or changed in place (tracked by its version counter).
+        Not cached: a cache keyed on tensor identity and version counters goes stale under
+        wrappers that swap parameter storage (FSDP), and on the CPU the copy costs ~1% of a
+        layer. Gradients reach W_q/W_k/W_v through the concatenation.
         """
-        sources = [self.W_q.weight, self.W_k.weight, self.W_v.weight]
-        has_bias = self.W_q.bias is not None
-        if has_bias:
-            sources += [self.W_q.bias, self.W_k.bias, self.W_v.bias]
-
-        def build():
-            weight = torch.cat(sources[:3])
-            return weight, (torch.cat(sources[3:]) if has_bias else None)
-
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled()
-                                             and any(t.requires_grad for t in sources)):
-            return build()
-        key = (torch.is_inference_mode_enabled(), [t._version for t in sources])
-        cache = self._packed_cache
-        if (cache is None or cache[0] != key or len(cache[1]) != len(sources)
-                or any(a is not b for a, b in zip(cache[1], sources))):
-            cache = self._packed_cache = (key, list(sources), build())
-        return cache[2]
+        weight = torch.cat([self.W_q.weight, self.W_k.weight, self.W_v.weight])
+        if self.W_q.bias is None:
+            return weight, None
+        return weight, torch.cat([self.W_q.bias, self.W_k.bias, self.W_v.bias])
 
     def forward(self, queries, keys, values, valid_lens=None):
         dropout_p = self.dropout.p if self.training else 0.0
