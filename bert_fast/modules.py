@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from . import ops
 from .backend import resolve_backend
 from .checks import check_encoder_inputs
-from .reference import MaskLM, NextSentencePred
+from .reference import AddNorm, BERTModel, MaskLM, NextSentencePred
 
 
 def _normalized_size(norm_shape, num_hiddens):
@@ -65,13 +65,8 @@ class FastMultiHeadAttention(nn.Module):
         return self.W_o(context)
 
 
-class FastAddNorm(nn.Module):
-    """``LayerNorm(X + dropout(Y))`` with the reference's ``ln``/``dropout`` attributes."""
-
-    def __init__(self, normalized_shape, dropout, **kwargs):
-        super().__init__(**kwargs)
-        self.dropout = nn.Dropout(dropout)
-        self.ln = nn.LayerNorm(normalized_shape)
+class FastAddNorm(AddNorm):
+    """``LayerNorm(X + dropout(Y))``: the reference's module, forward through the op."""
 
     def forward(self, X, Y):
         return ops.add_layernorm(Y, X, self.ln.weight, self.ln.bias, self.ln.eps,
@@ -193,17 +188,18 @@ class FastBERTEncoder(nn.Module):
         return ops.pad(X, unpadding)
 
 
-class FastBERTModel(nn.Module):
+class FastBERTModel(BERTModel):
     """Drop-in for the reference BERTModel: FastBERTEncoder plus the reference's heads.
 
-    Takes FastBERTEncoder's keyword-only options.
+    Takes FastBERTEncoder's keyword-only options. The forward pass is the reference's.
     """
 
     def __init__(self, vocab_size, num_hiddens, norm_shape, ffn_num_input, ffn_num_hiddens,
                  num_heads, num_layers, dropout, max_len=1000, key_size=768, query_size=768,
                  value_size=768, hid_in_features=768, mlm_in_features=768,
                  nsp_in_features=768, **options):
-        super().__init__()
+        # Not BERTModel.__init__: it would allocate a reference encoder only to replace it.
+        nn.Module.__init__(self)
         self.encoder = FastBERTEncoder(vocab_size, num_hiddens, norm_shape, ffn_num_input,
                                        ffn_num_hiddens, num_heads, num_layers, dropout,
                                        max_len=max_len, key_size=key_size, query_size=query_size,
@@ -211,9 +207,3 @@ class FastBERTModel(nn.Module):
         self.hidden = nn.Sequential(nn.Linear(hid_in_features, num_hiddens), nn.Tanh())
         self.mlm = MaskLM(vocab_size, num_hiddens, mlm_in_features)
         self.nsp = NextSentencePred(nsp_in_features)
-
-    def forward(self, tokens, segments, valid_lens=None, pred_positions=None):
-        encoded_X = self.encoder(tokens, segments, valid_lens)
-        mlm_Y_hat = self.mlm(encoded_X, pred_positions) if pred_positions is not None else None
-        nsp_Y_hat = self.nsp(self.hidden(encoded_X[:, 0, :]))
-        return encoded_X, mlm_Y_hat, nsp_Y_hat
