@@ -121,13 +121,11 @@ class FastEncoderBlock(nn.Module):
         return self.addnorm2(Y, self.ffn(Y))
 
     def _attention_unpadded(self, X, valid_lens, unpadding):
-        # Projections run on valid tokens only; attention itself needs the (B, L) layout,
-        # where the zero rows at padded keys are masked out by valid_lens.
         attn = self.attention
-        qkv = ops.pad(F.linear(X, *attn._packed_qkv()), unpadding)
+        qkv = F.linear(X, *attn._packed_qkv())
         dropout_p = attn.dropout.p if attn.training else 0.0
-        context = ops.packed_self_attention(qkv, attn.num_heads, valid_lens, dropout_p)
-        return attn.W_o(ops.unpad(context, unpadding))
+        context = ops.unpadded_self_attention(qkv, attn.num_heads, unpadding, valid_lens, dropout_p)
+        return attn.W_o(context)
 
 
 class FastBERTEncoder(nn.Module):

@@ -53,6 +53,7 @@ def test_pad_unpad_round_trip():
     unpadding = ops.unpadding_for(valid_lens, 4)
     assert unpadding.indices.tolist() == [0, 1, 2, 8, 9, 10, 11]
     assert unpadding.cu_seqlens.tolist() == [0, 3, 3, 7] and unpadding.cu_seqlens.dtype == torch.int32
+    assert unpadding.seqlens == [3, 0, 4]
     x = torch.randn(3, 4, 5, requires_grad=True)
     packed = ops.unpad(x, unpadding)
     assert packed.shape == (7, 5)
@@ -72,3 +73,21 @@ def test_embedding_sum_padded_and_unpadded():
     flat = ops.embedding_sum(tokens[0, positions], segments[0, positions], token_w, segment_w, pos_w,
                              positions=positions)
     assert_close(flat, expected[0, positions], atol=1e-6)
+
+
+@pytest.mark.parametrize("per_sequence", [True, False], ids=["per_sequence", "repadded"])
+@pytest.mark.parametrize("valid_lens", [torch.tensor([2.5, 0.0, 7.0, 1.0]), torch.tensor([0, 0, 0, 0])],
+                         ids=["mixed", "all_empty"])
+def test_unpadded_self_attention_matches_padded(per_sequence, valid_lens):
+    qkv = torch.randn(4, 7, 3 * 12, dtype=torch.float64, requires_grad=True)
+    expected = ops.packed_self_attention(qkv, 3, valid_lens)
+    unpadding = ops.unpadding_for(valid_lens, 7)
+    packed = ops.unpad(qkv, unpadding)
+    out = ops.unpadded_self_attention(packed, 3, unpadding, valid_lens, per_sequence=per_sequence)
+    assert out.shape == (sum(unpadding.seqlens), 12)
+    assert_close(out, ops.unpad(expected, unpadding), atol=1e-12)
+    if out.numel():
+        w = torch.randn_like(out)
+        grad = torch.autograd.grad((out * w).sum(), qkv)[0]
+        grad_ref = torch.autograd.grad((ops.unpad(expected, unpadding) * w).sum(), qkv)[0]
+        assert_close(grad, grad_ref, atol=1e-12, what="dqkv")

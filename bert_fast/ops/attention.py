@@ -13,6 +13,8 @@ reference, where the -1e6 constants cut those paths too.
 import torch
 from torch.nn import functional as F
 
+from .padding import pad, unpad
+
 
 def key_mask(valid_lens, num_queries, num_keys, device):
     """Boolean mask (True = attend) for SDPA, and the 0/1 factor for queries that see no key.
@@ -59,3 +61,29 @@ def packed_self_attention(qkv, num_heads, valid_lens=None, dropout_p=0.0):
     """Self-attention reading Q, K, V straight from a (B, L, 3H) packed projection."""
     q, k, v = qkv.chunk(3, dim=-1)
     return attention(q, k, v, num_heads, valid_lens, dropout_p)
+
+
+def unpadded_self_attention(qkv, num_heads, unpadding, valid_lens, dropout_p=0.0, *,
+                            per_sequence=None):
+    """Self-attention over packed valid tokens: (N, 3H) -> (N, H), for skip_padding.
+
+    Every query of a sequence is valid and sees exactly its sequence's valid keys, so each
+    sequence is plain unmasked attention over its own tokens. On the CPU we run it that way,
+    one SDPA call per sequence (no padding copies, no masked work). Elsewhere one call over
+    the re-padded (B, L) layout with the key mask keeps the launch count independent of B.
+    ``per_sequence`` forces one or the other.
+    """
+    hidden = qkv.shape[-1] // 3
+    if per_sequence is None:
+        per_sequence = qkv.device.type == "cpu"
+    if not per_sequence:
+        context = packed_self_attention(pad(qkv, unpadding), num_heads, valid_lens, dropout_p)
+        return unpad(context, unpadding)
+    outputs = []
+    for chunk in qkv.split(unpadding.seqlens):
+        if chunk.shape[0] == 0:
+            continue
+        q, k, v = (x.unflatten(-1, (num_heads, -1)).transpose(0, 1) for x in chunk.chunk(3, dim=-1))
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)     # (heads, n, d)
+        outputs.append(out.transpose(0, 1).reshape(-1, hidden))
+    return torch.cat(outputs) if outputs else qkv.new_empty(0, hidden)

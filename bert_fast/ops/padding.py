@@ -13,18 +13,21 @@ from torch.nn import functional as F
 class Unpadding(NamedTuple):
     indices: torch.Tensor      # (N,) int64 flat indices into B*L of the valid tokens
     cu_seqlens: torch.Tensor   # (B+1,) int32 prefix sum of per-sequence valid counts
+    seqlens: list              # per-sequence valid counts on the host (the sync we pay anyway)
     batch: int
     seqlen: int
 
 
 def unpadding_for(valid_lens, seqlen):
-    """Indices of the valid tokens for 1-D ``valid_lens``; one host sync (the size of N)."""
+    """Indices of the valid tokens for 1-D ``valid_lens``; one host sync (the counts, which
+    give the size N of everything unpadded)."""
     positions = torch.arange(seqlen, dtype=torch.float32, device=valid_lens.device)
     valid = positions < valid_lens[:, None]                                   # (B, L)
     counts = valid.sum(dim=1, dtype=torch.int32)
+    seqlens = counts.tolist()
     cu_seqlens = F.pad(torch.cumsum(counts, 0, dtype=torch.int32), (1, 0))
-    indices = valid.flatten().nonzero().squeeze(1)
-    return Unpadding(indices, cu_seqlens, valid_lens.shape[0], seqlen)
+    indices = torch.nonzero_static(valid.flatten(), size=sum(seqlens)).squeeze(1)
+    return Unpadding(indices, cu_seqlens, seqlens, valid_lens.shape[0], seqlen)
 
 
 def unpad(x, unpadding):
