@@ -83,7 +83,8 @@ def unpadded_self_attention(qkv, num_heads, unpadding, valid_lens, dropout_p=0.0
     for chunk in qkv.split(unpadding.seqlens):
         if chunk.shape[0] == 0:
             continue
-        q, k, v = (x.unflatten(-1, (num_heads, -1)).transpose(0, 1) for x in chunk.chunk(3, dim=-1))
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)     # (heads, n, d)
-        outputs.append(out.transpose(0, 1).reshape(-1, hidden))
+        # 4-D (1, heads, n, d): 3-D inputs would miss SDPA's fused CPU kernel.
+        q, k, v = (x.unflatten(-1, (num_heads, -1)).transpose(0, 1)[None] for x in chunk.chunk(3, dim=-1))
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+        outputs.append(out[0].transpose(0, 1).reshape(-1, hidden))
     return torch.cat(outputs) if outputs else qkv.new_empty(0, hidden)
