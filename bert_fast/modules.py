@@ -54,9 +54,15 @@ class FastMultiHeadAttention(nn.Module):
             return weight, None
         return weight, torch.cat([self.W_q.bias, self.W_k.bias, self.W_v.bias])
 
-    def forward(self, queries, keys, values, valid_lens=None):
+    def forward(self, queries, keys, values, valid_lens=None, *, unpadding=None):
+        """As the reference. With ``unpadding`` (skip_padding), ``queries`` is the (N, H)
+        packed valid tokens of a self-attention and ``unpadding`` says where they sit."""
         dropout_p = self.dropout.p if self.training else 0.0
-        if queries is keys and keys is values:
+        if unpadding is not None:
+            qkv = F.linear(queries, *self._packed_qkv())
+            context = ops.unpadded_self_attention(qkv, self.num_heads, unpadding, valid_lens,
+                                                  dropout_p)
+        elif queries is keys and keys is values:
             qkv = F.linear(queries, *self._packed_qkv())
             context = ops.packed_self_attention(qkv, self.num_heads, valid_lens, dropout_p)
         else:
@@ -113,19 +119,8 @@ class FastEncoderBlock(nn.Module):
         self.addnorm2 = FastAddNorm(norm_shape, dropout)
 
     def forward(self, X, valid_lens=None, *, unpadding=None):
-        if unpadding is None:
-            attended = self.attention(X, X, X, valid_lens)
-        else:
-            attended = self._attention_unpadded(X, valid_lens, unpadding)
-        Y = self.addnorm1(X, attended)
+        Y = self.addnorm1(X, self.attention(X, X, X, valid_lens, unpadding=unpadding))
         return self.addnorm2(Y, self.ffn(Y))
-
-    def _attention_unpadded(self, X, valid_lens, unpadding):
-        attn = self.attention
-        qkv = F.linear(X, *attn._packed_qkv())
-        dropout_p = attn.dropout.p if attn.training else 0.0
-        context = ops.unpadded_self_attention(qkv, attn.num_heads, unpadding, valid_lens, dropout_p)
-        return attn.W_o(context)
 
 
 class FastBERTEncoder(nn.Module):
@@ -135,7 +130,7 @@ class FastBERTEncoder(nn.Module):
       activation: "relu" (the reference), "gelu" (erf, original BERT) or "gelu_tanh".
       learn_pos_embedding: False keeps the reference's quirk (no gradient reaches
         pos_embedding); True makes the position table learnable.
-      skip_padding: run everything but attention on valid tokens only (1-D valid_lens).
+      skip_padding: compute valid tokens only (1-D valid_lens).
         Valid positions match the exact mode; padded positions of the output are zeros
         (the exact mode computes real values there).
       backend: "torch" (default; see bert_fast.backend).

@@ -1,0 +1,42 @@
+"""One forward of each method per shape, timed by pytest-benchmark and checked against the
+fp32 eager reference.
+
+    pytest benchmarks/                          # time and check
+    pytest benchmarks/ --benchmark-json PATH    # ... and record
+    pytest benchmarks/ --benchmark-disable      # check only (one call per test)
+"""
+
+import pytest
+import torch
+
+from bert_fast.bench import METHOD_NAMES, first_call, max_error, synchronize
+
+# The floor of the project's tolerance rule for fp32 (STYLE.md, Tests).
+FP32_TOLERANCE = 1e-4
+
+
+@pytest.mark.parametrize("method_name", METHOD_NAMES)
+def test_encoder_forward(benchmark, bench_case, method_name):
+    method = bench_case.models.methods[method_name]
+    inputs, device = bench_case.inputs, bench_case.device
+    benchmark.group = bench_case.shape.id
+    with torch.inference_mode():
+        # Outside the timing: the call that compiles (torch.compile) or fills caches.
+        _, first_seconds, skip_reason = first_call(method, inputs, device)
+        if skip_reason is not None:
+            pytest.skip(f"{method_name} failed on its first call: {skip_reason}")
+
+        def forward():
+            output = method.forward(*inputs)
+            synchronize(device)
+            return output
+
+        output = benchmark.pedantic(forward, rounds=10, warmup_rounds=1)
+    error = max_error(output, bench_case.reference_output,
+                      inputs.valid_lens if method.valid_positions_only else None)
+    benchmark.extra_info.update(
+        device=str(device), dtype="float32", preset=bench_case.shape.preset,
+        batch=bench_case.shape.batch, seq=bench_case.shape.seq,
+        valid_tokens=int(inputs.valid_lens.sum()), first_call_s=first_seconds, max_abs_err=error,
+        error_positions="valid" if method.valid_positions_only else "all")
+    assert error <= FP32_TOLERANCE, f"{method_name}: max abs error {error:.3e} > {FP32_TOLERANCE:.0e}"

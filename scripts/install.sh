@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Install bert_fast for development into the current Python environment: PyTorch first
+# (kept if already installed; the CPU build on a machine without an NVIDIA GPU, so pip does
+# not pull several GB of CUDA packages), then this package with its test and plot extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python}
+
+if ! "$PYTHON" -c "import torch" 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        "$PYTHON" -m pip install torch
+    elif compgen -G "/opt/wheels/torch-*+cpu-*.whl" >/dev/null; then
+        # A CPU wheel kept on this machine (our development machines and CI have one).
+        "$PYTHON" -m pip install "$(ls /opt/wheels/torch-*+cpu-*.whl | sort -V | tail -n 1)"
+    else
+        "$PYTHON" -m pip install torch --index-url https://download.pytorch.org/whl/cpu
+    fi
+fi
+"$PYTHON" -m pip install -e ".[test,plot]"
+"$PYTHON" -c "import torch, bert_fast; print('installed bert_fast', bert_fast.__version__, 'with torch', torch.__version__)"
