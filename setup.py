@@ -15,7 +15,7 @@ setup(
     packages=find_packages(include=["bert_fast", "bert_fast.*"]),
     python_requires=">=3.10",
     install_requires=[
-        "torch>=2.4",
+        "torch>=2.6",  # torch.library.triton_op
         "numpy",
         "triton; platform_system == 'Linux'",
     ],

@@ -42,3 +42,9 @@ def assert_close(actual, expected, atol, rtol=0.0, what="output"):
     err = max_err(actual, expected)
     bound = atol + rtol * max_err(expected, torch.zeros_like(expected))
     assert err <= bound, f"{what}: max abs error {err:.3g} > {bound:.3g}"
+
+
+def assert_within_rule(actual, reference, same_precision_torch, what="output"):
+    """STYLE.md: error vs the (fp64) reference <= 2x PyTorch's error at that precision + floor."""
+    bound = 2 * max_err(same_precision_torch, reference) + FLOOR[actual.dtype]
+    assert_close(actual, reference.to(actual.dtype), atol=bound, what=what)

@@ -32,6 +32,10 @@ except ImportError:   # pragma: no cover - exercised only where Triton is absent
     triton = tl = _Absent()
 
 
+# The float types our kernels take (fp64 stays on the CPU twins).
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
 def interpreting():
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -53,3 +57,23 @@ def require_triton(*tensors):
 def launch(kernel):
     """``kernel[grid](...)`` in a form torch.compile can trace (torch.library.wrap_triton)."""
     return torch.library.wrap_triton(kernel)
+
+
+def as_rows(t, row_size):
+    """``t`` as (rows, row_size) with unit stride along a row (a view when possible, else a copy)."""
+    t = t.reshape(-1, row_size)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def reduction_programs(device, num_row_blocks, programs_beside=1):
+    """How many programs stride over ``num_row_blocks`` in a kernel that also reduces over rows.
+
+    Each program writes one row of fp32 partial sums, so launch only enough to fill the GPU a
+    few times over (``programs_beside``: programs already launched along other grid axes). In the
+    interpreter few programs, so that small tests exercise programs that loop over several tiles.
+    """
+    if device.type == "cuda":
+        limit = 4 * torch.cuda.get_device_properties(device).multi_processor_count // programs_beside
+    else:
+        limit = 4
+    return max(1, min(num_row_blocks, limit))

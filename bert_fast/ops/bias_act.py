@@ -1,11 +1,42 @@
-"""linear_act: ``act(x @ W^T + b)`` for the first FFN layer; ReLU or GELU (erf / tanh)."""
+"""linear_act: ``act(x @ W^T + b)`` for the first FFN layer; ReLU or GELU (erf / tanh).
 
+backend="torch": ``F.linear`` with its bias, then the activation (ReLU in place).
+backend="triton": ``bias_act(F.linear(x, W), b, act)``: cuBLAS computes ``h = x @ W^T`` without
+bias, and one Triton kernel applies the epilogue ``act(h + b)`` (fp32 math, output in the input
+dtype). ``h``/the output are (..., N) with the last dim contiguous (any row stride); ``b`` is
+(N,) or None.
+
+Cost model (s = bytes per element, rows x N elements of h; the epilogue is memory-bound, the
+GEMM before it costs 2 rows K N FLOPs):
+  forward   reads h, writes act(h + b)                                     -> 2 s bytes/elem.
+  backward  reads grad_out and one saved tensor, writes d_h; d_bias is summed from the fp32
+            d_h in registers (programs x N fp32 partials, then ``.sum(0)``)  -> 3 s bytes/elem.
+  Saved for backward: ReLU keeps only its output (which dense2 keeps anyway): out > 0 exactly
+  where h + b > 0. GELU keeps h (its input) and recomputes h + b and GELU' in the backward.
+  Against the torch path: the forward moves the same bytes (cuBLAS adds the bias inside the
+  GEMM, then one activation pass); the backward saves one read of d_h, which PyTorch's
+  linear backward makes again to sum d_bias.
+
+The alternative to measure on a GPU, not done here and unmeasured: fuse bias + activation
+into the GEMM's epilogue so h never goes to memory (saving the 2 s bytes/elem forward pass) —
+either a Triton GEMM with an ``ACTIVATION`` epilogue applied to the fp32 accumulator (Triton
+tutorial 03), or cuBLASLt's fused epilogue through ``torch._addmm_activation(bias, x, W.t(),
+use_gelu=...)`` (ReLU, and GELU in its tanh form only). Whether a Triton GEMM matches cuBLAS on
+BERT's shapes is the open question; cuBLASLt also offers the backward's DGELU/BGRAD epilogues.
+"""
+
+import torch
+from torch.library import triton_op
 from torch.nn import functional as F
+
+from ._triton import KERNEL_DTYPES, as_rows, launch, reduction_programs, require_triton, tl, triton
+# Shared with add_layernorm: the dtypes the kernels take, the (rows, N) view the launchers
+# need, and the grid of a kernel that reduces over rows.
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 
 
-def linear_act(x, weight, bias, activation="relu"):
+def _linear_act_torch(x, weight, bias, activation):
     y = F.linear(x, weight, bias)
     if activation == "relu":
         # In place is safe under autograd: linear's backward never reads its own output.
@@ -15,3 +46,248 @@ def linear_act(x, weight, bias, activation="relu"):
     if activation == "gelu_tanh":
         return F.gelu(y, approximate="tanh")
     raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+@triton.jit
+def _gelu_tanh_twice_arg(z):
+    # 0.5 (1 + tanh(u)) = sigmoid(2u), u = sqrt(2/pi) (z + 0.044715 z^3): so gelu_tanh(z) =
+    # z sigmoid(2u). tl has no tanh on every target, and 1 - tanh^2 would cancel for large |z|,
+    # while sigmoid(2u) sigmoid(-2u) (= (1 - tanh^2) / 4) stays accurate.
+    return 1.5957691216057308 * (z + 0.044715 * z * z * z)
+
+
+@triton.jit
+def _activation(z, ACTIVATION: tl.constexpr):
+    if ACTIVATION == "relu":
+        # z < 0, not z > 0, so NaN passes through as in torch.relu.
+        return tl.where(z < 0.0, 0.0, z)
+    elif ACTIVATION == "gelu":
+        return 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))          # erf(z / sqrt 2)
+    else:
+        return z * tl.sigmoid(_gelu_tanh_twice_arg(z))
+
+
+@triton.jit
+def _gelu_grad(z, ACTIVATION: tl.constexpr):
+    if ACTIVATION == "gelu":
+        # Phi(z) + z phi(z), phi the standard normal density (1/sqrt(2 pi) = 0.3989...).
+        return (0.5 * (1.0 + tl.erf(z * 0.7071067811865476))
+                + z * tl.exp(-0.5 * z * z) * 0.3989422804014327)
+    else:
+        # d/dz [z sigmoid(2u)] = sigmoid(2u) + z sigmoid(2u) sigmoid(-2u) d(2u)/dz.
+        twice_u = _gelu_tanh_twice_arg(z)
+        gate = tl.sigmoid(twice_u)
+        return gate + z * gate * tl.sigmoid(-twice_u) * 1.5957691216057308 * (1.0 + 3.0 * 0.044715 * z * z)
+
+
+@triton.jit
+def _bias_act_fwd_kernel(h_ptr, bias_ptr, out_ptr, n_rows, n_cols, h_row_stride,
+                         ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_in = cols < n_cols
+    mask = (rows < n_rows)[:, None] & col_in[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    z = tl.load(h_ptr + rows64 * h_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        z += tl.load(bias_ptr + cols, mask=col_in, other=0.0).to(tl.float32)[None, :]
+    out = _activation(z, ACTIVATION)
+    tl.store(out_ptr + rows64 * n_cols + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bias_act_bwd_kernel(grad_out_ptr, saved_ptr, bias_ptr, d_h_ptr, d_bias_partial_ptr,
+                         n_rows, n_cols, grad_row_stride, saved_row_stride,
+                         ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # saved: the forward's output for ReLU, its input h for the GELUs.
+    row_program = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_in = cols < n_cols
+    if HAS_BIAS and ACTIVATION != "relu":
+        bias = tl.load(bias_ptr + cols, mask=col_in, other=0.0).to(tl.float32)
+    d_bias_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for first_row in range(row_program * BLOCK_M, n_rows, tl.num_programs(0) * BLOCK_M):
+        rows = first_row + tl.arange(0, BLOCK_M)
+        mask = (rows < n_rows)[:, None] & col_in[None, :]
+        rows64 = rows.to(tl.int64)[:, None]
+        dy = tl.load(grad_out_ptr + rows64 * grad_row_stride + cols[None, :], mask=mask,
+                     other=0.0).to(tl.float32)
+        saved = tl.load(saved_ptr + rows64 * saved_row_stride + cols[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
+        if ACTIVATION == "relu":
+            d_z = tl.where(saved > 0.0, dy, 0.0)
+        else:
+            if HAS_BIAS:
+                saved += bias[None, :]
+            d_z = dy * _gelu_grad(saved, ACTIVATION)
+        tl.store(d_h_ptr + rows64 * n_cols + cols[None, :], d_z.to(d_h_ptr.dtype.element_ty), mask=mask)
+        if HAS_BIAS:
+            d_bias_acc += tl.sum(d_z, axis=0)
+    if HAS_BIAS:
+        tl.store(d_bias_partial_ptr + row_program * n_cols + cols, d_bias_acc, mask=col_in)
+
+
+def _bias_act_blocks(n_cols):
+    """(BLOCK_M, BLOCK_N, num_warps): tiles of ~2048 elements at 8 fp32 values per thread
+    (ptxas, sm_90: GELU's backward takes ~60 registers there, 168 at 32 values per thread), at
+    most 256 columns wide so that N = 3072 spreads over 12 column programs per row tile."""
+    block_n = min(256, triton.next_power_of_2(n_cols))
+    block_m = max(1, min(64, 2048 // block_n))
+    return block_m, block_n, max(4, min(8, block_m * block_n // 256))
+
+
+def _check_activation(activation):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def _check_inputs(h, bias, activation, what="h"):
+    _check_activation(activation)
+    if h.dim() < 1 or h.shape[-1] == 0:
+        raise ValueError(f"{what} must have shape (..., N) with N >= 1, got {tuple(h.shape)}")
+    if h.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"the Triton bias_act takes float16, bfloat16 or float32, got {h.dtype}")
+    if bias is not None:
+        if bias.shape != h.shape[-1:]:
+            raise ValueError(f"bias must have shape ({h.shape[-1]},) or be None, got {tuple(bias.shape)}")
+        if bias.dtype != h.dtype:
+            raise TypeError(f"bias must have the dtype of {what} ({h.dtype}), got {bias.dtype}")
+        if bias.device != h.device:
+            raise ValueError(f"bias must be on the device of {what} ({h.device}), got {bias.device}")
+
+
+def _bias_act_fwd_triton(h, bias, activation):
+    """Triton forward: act(h + bias), shaped like h, in h's dtype."""
+    _check_inputs(h, bias, activation)
+    require_triton(h, bias)
+    n_cols = h.shape[-1]
+    h2 = as_rows(h, n_cols)
+    n_rows = h2.shape[0]
+    out = torch.empty((n_rows, n_cols), dtype=h.dtype, device=h.device)
+    if n_rows:
+        block_m, block_n, num_warps = _bias_act_blocks(n_cols)
+        grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+        launch(_bias_act_fwd_kernel)[grid](
+            h2, bias, out, n_rows, n_cols, h2.stride(0),
+            ACTIVATION=activation, HAS_BIAS=bias is not None,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    return out.view(h.shape)
+
+
+def _bias_act_bwd_triton(grad_out, saved, bias, activation):
+    """Triton backward: (d_h, d_bias); d_bias is an empty (0-element) tensor when bias is None.
+
+    ``saved`` is the forward's output for "relu" and its input h for "gelu"/"gelu_tanh".
+    """
+    _check_inputs(saved, bias, activation, what="saved")
+    if grad_out.shape != saved.shape or grad_out.dtype != saved.dtype:
+        raise ValueError(f"grad_out must match saved: shape {tuple(saved.shape)} and dtype {saved.dtype}, "
+                         f"got {tuple(grad_out.shape)} and {grad_out.dtype}")
+    require_triton(grad_out, saved, bias)
+    n_cols = saved.shape[-1]
+    grad2, saved2 = as_rows(grad_out, n_cols), as_rows(saved, n_cols)
+    n_rows = saved2.shape[0]
+    block_m, block_n, num_warps = _bias_act_blocks(n_cols)
+    col_programs = triton.cdiv(n_cols, block_n)
+    row_programs = reduction_programs(saved.device, triton.cdiv(n_rows, block_m), col_programs)
+    d_h = torch.empty((n_rows, n_cols), dtype=saved.dtype, device=saved.device)
+    # Every program stores its partial row (zeros if it had no rows): no zeroing needed.
+    d_bias_partial = (torch.empty((row_programs, n_cols), dtype=torch.float32, device=saved.device)
+                      if bias is not None else None)
+    if n_rows:
+        launch(_bias_act_bwd_kernel)[(row_programs, col_programs)](
+            grad2, saved2, bias, d_h, d_bias_partial, n_rows, n_cols, grad2.stride(0), saved2.stride(0),
+            ACTIVATION=activation, HAS_BIAS=bias is not None,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    if bias is None:
+        d_bias = saved.new_empty(0)
+    else:
+        d_bias = d_bias_partial.sum(0).to(saved.dtype) if n_rows else torch.zeros_like(bias)
+    return d_h.view(saved.shape), d_bias
+
+
+def _compute_dtype(dtype):
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _bias_act_fwd_cpu(h, bias, activation):
+    _check_activation(activation)
+    z = h.to(_compute_dtype(h.dtype))
+    if bias is not None:
+        z = z + bias.to(z.dtype)
+    if activation == "relu":
+        out = torch.relu(z)
+    else:
+        out = F.gelu(z, approximate="tanh" if activation == "gelu_tanh" else "none")
+    return out.to(h.dtype)
+
+
+def _gelu_grad_cpu(z, activation):
+    """The kernel's GELU' formulas, in PyTorch."""
+    if activation == "gelu":
+        return 0.5 * (1.0 + torch.erf(z * 0.5**0.5)) + z * torch.exp(-0.5 * z * z) * (2 * torch.pi) ** -0.5
+    twice_u = 2 * (2 / torch.pi) ** 0.5 * (z + 0.044715 * z**3)
+    gate = torch.sigmoid(twice_u)
+    return gate + z * gate * torch.sigmoid(-twice_u) * 2 * (2 / torch.pi) ** 0.5 * (1.0 + 3 * 0.044715 * z * z)
+
+
+def _bias_act_bwd_cpu(grad_out, saved, bias, activation):
+    _check_activation(activation)
+    acc = _compute_dtype(saved.dtype)
+    dy = grad_out.to(acc)
+    if activation == "relu":
+        d_z = torch.where(saved > 0, dy, 0.0)
+    else:
+        z = saved.to(acc) + bias.to(acc) if bias is not None else saved.to(acc)
+        d_z = dy * _gelu_grad_cpu(z, activation)
+    d_bias = (d_z.reshape(-1, saved.shape[-1]).sum(0).to(saved.dtype) if bias is not None
+              else saved.new_empty(0))
+    return d_z.to(saved.dtype), d_bias
+
+
+@triton_op("bert_fast::bias_act_fwd", mutates_args=())
+def bias_act_fwd(h: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
+    """act(h + bias); bias may be None."""
+    if h.device.type == "cpu":
+        return _bias_act_fwd_cpu(h, bias, activation)
+    return _bias_act_fwd_triton(h, bias, activation)
+
+
+@triton_op("bert_fast::bias_act_bwd", mutates_args=())
+def bias_act_bwd(grad_out: torch.Tensor, saved: torch.Tensor, bias: torch.Tensor | None,
+                 activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_h, d_bias) from the forward's output (relu) or input (gelu); d_bias empty if no bias."""
+    if saved.device.type == "cpu":
+        return _bias_act_bwd_cpu(grad_out, saved, bias, activation)
+    return _bias_act_bwd_triton(grad_out, saved, bias, activation)
+
+
+def _setup_context(ctx, inputs, output):
+    h, bias, activation = inputs
+    ctx.save_for_backward(output if activation == "relu" else h, bias)
+    ctx.activation = activation
+
+
+def _backward(ctx, grad_out):
+    saved, bias = ctx.saved_tensors
+    d_h, d_bias = bias_act_bwd(grad_out, saved, bias, ctx.activation)
+    return d_h, d_bias if bias is not None else None, None
+
+
+bias_act_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def bias_act(h, bias, activation="relu"):
+    """``act(h + bias)`` through the registered ops (Triton on CUDA, PyTorch twins on CPU)."""
+    return bias_act_fwd(h, bias, activation)
+
+
+def linear_act(x, weight, bias, activation="relu", *, backend="torch"):
+    """``act(x @ weight^T + bias)``; see the module docstring for the two backends."""
+    if backend == "torch":
+        return _linear_act_torch(x, weight, bias, activation)
+    if backend != "triton":
+        raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
+    return bias_act(F.linear(x, weight), bias, activation)

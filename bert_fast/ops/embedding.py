@@ -3,14 +3,64 @@
 Padded form: ``tokens``/``segments`` are (B, L) and position j of every row reads
 ``pos_weight[0, j]``. Unpadded form (skip_padding): ``tokens``/``segments`` are (N,) packed
 valid tokens and ``positions`` (N,) says which row of the position table each one reads.
+Tables: ``token_weight`` (V, H), ``segment_weight`` (S, H) (S = 2 in BERT), ``pos_weight``
+(1, max_len, H), one dtype; ids int32 or int64. The output is (..., H) in the tables' dtype,
+summed in fp32. Ids are not range-checked here (the module does it once per batch).
+
+Cost model (R = B*L or N rows, e = bytes per element, i = bytes per id; memory-bound,
+3 adds per element):
+  forward   reads R ids of each kind (3 R i), R token rows (R H e: the one HBM stream that
+            matters), segment and position rows (S + L distinct rows, served from L2), writes
+            R H e  ->  ~2 R H e bytes.  BERT-base at R = 64K, fp16: ~200 MB, ~70 us at 3 TB/s.
+  backward  (default) reads grad_out once (R H e) and adds it into fp32 buffers with atomics:
+            R H atomics for the token table (plus R H for the position table in the unpadded
+            form when learnable), R H / BLOCK_T for the segment table (rows are summed per
+            segment inside the tile first: all R rows hit the same 2 table rows, and unreduced
+            atomics on 2 H addresses would serialise). Plus zeroing the V H fp32 buffer and one
+            cast pass: V H (8 + e) bytes, ~235 MB at V = 30522, H = 768, fp16 -- more than
+            grad_out itself (100 MB at R = 64K): the atomic path's real price.
+            The padded position gradient (learnable only) is a batch sum, no atomics: a second
+            read of grad_out by a kernel that owns each position row.
+  backward  (deterministic=True) per scattered table: torch.sort of the R ids (stable), then a
+            pass that reads grad_out rows in sorted order (R H e, gathered) and writes each
+            used table row once, plus 2 (R / 16) H fp32 run carries written and re-read.
+            The token and segment tables (and unpadded positions) each read grad_out once:
+            2-3 R H e in all, no atomics, no fp32 table buffer (zeroing V H e remains).
+
+Triton layout: the forward gives each program BLOCK_T rows as one (BLOCK_T, BLOCK_H) tile,
+BLOCK_H = next power of two >= H with the tail masked (~4096 elements per tile). The atomic
+backward tiles H as well (BLOCK_H <= 256), so a tile holds more rows and each segment atomic
+carries the sum of more of them.
+
+Deterministic reduction (a table gradient with no atomics, bitwise repeatable on one device):
+``order`` = stable sort of the ids, so rows with equal ids form runs whose inner order is fixed
+(original row order). The sorted rows are cut into chunks of BLOCK_T = 16. Pass 1, a program
+per (chunk, H block): the slots of a chunk holding one id are a contiguous piece of that id's
+run, and each piece is summed as "the chunk's rows with my id" (a (BLOCK_T, BLOCK_T, BLOCK_H)
+select-and-sum: exact, unlike differences of a prefix sum, and T adds per element are free in
+a memory-bound kernel). A run that starts and ends in the chunk is stored straight into its
+table row (one writer per row). The piece of the run that enters the chunk from an earlier one
+goes to ``heads[chunk]``; the piece of the run that leaves it goes to ``tails[chunk]``. Pass 2,
+a program per chunk: if the run leaving the chunk also started in it, this program owns that
+run and stores ``tails[chunk] + heads[chunk+1] + ... + heads[last chunk of the run]`` (the
+run's end comes from ``torch.searchsorted`` on the sorted ids; the heads are summed BLOCK_C at
+a time, in chunk order). Every table row has one writer and every sum has an order fixed by
+the block sizes (a function of H only, never autotuned), so two calls give the same bits. A
+run of any length costs pass 2 only (length / BLOCK_T / BLOCK_C) loop steps, e.g. 128 for the
+32K padding tokens of a half-padded 64K-token batch.
 """
 
 import torch
+from torch.library import triton_op
 from torch.nn import functional as F
 
+from ._triton import KERNEL_DTYPES, launch, require_triton, tl, triton
 
-def embedding_sum(tokens, segments, token_weight, segment_weight, pos_weight, *,
-                  positions=None, learn_pos_embedding=False):
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _embedding_sum_torch(tokens, segments, token_weight, segment_weight, pos_weight, positions,
+                         learn_pos_embedding):
     # The reference reads the position table through .data, so by default no gradient
     # reaches it; learn_pos_embedding=True is the explicit opt-in.
     pos_table = pos_weight[0] if learn_pos_embedding else pos_weight.detach()[0]
@@ -24,3 +74,447 @@ def embedding_sum(tokens, segments, token_weight, segment_weight, pos_weight, *,
     out.add_(F.embedding(segments, segment_weight))
     out.add_(pos)
     return out
+
+
+@triton.jit
+def _embedding_sum_fwd_kernel(out_ptr, token_ids_ptr, segment_ids_ptr, position_ids_ptr,
+                              token_weight_ptr, segment_weight_ptr, pos_weight_ptr,
+                              n_rows, seq_len, hidden,
+                              token_row_stride, token_col_stride, segment_row_stride,
+                              segment_col_stride, pos_row_stride, pos_col_stride,
+                              HAS_POSITIONS: tl.constexpr, BLOCK_T: tl.constexpr,
+                              BLOCK_H: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_H)
+    row_in = rows < n_rows
+    mask = row_in[:, None] & (cols < hidden)[None, :]
+    token_ids = tl.load(token_ids_ptr + rows, mask=row_in, other=0).to(tl.int64)
+    segment_ids = tl.load(segment_ids_ptr + rows, mask=row_in, other=0).to(tl.int64)
+    if HAS_POSITIONS:
+        position_ids = tl.load(position_ids_ptr + rows, mask=row_in, other=0).to(tl.int64)
+    else:
+        position_ids = (rows % seq_len).to(tl.int64)
+    acc = tl.load(token_weight_ptr + token_ids[:, None] * token_row_stride
+                  + cols[None, :] * token_col_stride, mask=mask, other=0.0).to(tl.float32)
+    acc += tl.load(segment_weight_ptr + segment_ids[:, None] * segment_row_stride
+                   + cols[None, :] * segment_col_stride, mask=mask, other=0.0).to(tl.float32)
+    acc += tl.load(pos_weight_ptr + position_ids[:, None] * pos_row_stride
+                   + cols[None, :] * pos_col_stride, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _embedding_sum_bwd_kernel(grad_ptr, token_ids_ptr, segment_ids_ptr, position_ids_ptr,
+                              token_grad_ptr, segment_grad_ptr, pos_grad_ptr,
+                              n_rows, hidden, n_segments, grad_row_stride, grad_col_stride,
+                              SCATTER_POSITIONS: tl.constexpr, BLOCK_T: tl.constexpr,
+                              BLOCK_H: tl.constexpr):
+    """Atomic scatter-add of grad rows into fp32 (rows, H) table buffers."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    row_in = rows < n_rows
+    col_in = cols < hidden
+    mask = row_in[:, None] & col_in[None, :]
+    grad = tl.load(grad_ptr + rows.to(tl.int64)[:, None] * grad_row_stride
+                   + cols[None, :] * grad_col_stride, mask=mask, other=0.0).to(tl.float32)
+    token_ids = tl.load(token_ids_ptr + rows, mask=row_in, other=0).to(tl.int64)
+    tl.atomic_add(token_grad_ptr + token_ids[:, None] * hidden + cols[None, :], grad, mask=mask,
+                  sem="relaxed")
+    segment_ids = tl.load(segment_ids_ptr + rows, mask=row_in, other=-1)
+    for segment in range(n_segments):
+        piece = tl.sum(tl.where((segment_ids == segment)[:, None], grad, 0.0), axis=0)
+        tl.atomic_add(segment_grad_ptr + segment * hidden + cols, piece, mask=col_in, sem="relaxed")
+    if SCATTER_POSITIONS:
+        position_ids = tl.load(position_ids_ptr + rows, mask=row_in, other=0).to(tl.int64)
+        tl.atomic_add(pos_grad_ptr + position_ids[:, None] * hidden + cols[None, :], grad,
+                      mask=mask, sem="relaxed")
+
+
+@triton.jit
+def _embedding_sum_bwd_pos_kernel(grad_ptr, pos_grad_ptr, batch, seq_len, hidden,
+                                  grad_batch_stride, grad_row_stride, grad_col_stride,
+                                  BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Padded form: pos_grad[j] = sum over the batch of grad[b, j], one owner per row."""
+    positions = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (positions < seq_len)[:, None] & (cols < hidden)[None, :]
+    grad_ptrs = grad_ptr + positions[:, None] * grad_row_stride + cols[None, :] * grad_col_stride
+    acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+    for _ in range(batch):
+        acc += tl.load(grad_ptrs, mask=mask, other=0.0).to(tl.float32)
+        grad_ptrs += grad_batch_stride
+    tl.store(pos_grad_ptr + positions[:, None] * hidden + cols[None, :],
+             acc.to(pos_grad_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _embedding_sum_bwd_chunk_kernel(grad_ptr, sorted_ids_ptr, order_ptr, table_grad_ptr,
+                                    heads_ptr, tails_ptr, n_rows, hidden,
+                                    grad_row_stride, grad_col_stride,
+                                    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Deterministic pass 1 over one chunk of BLOCK_T sorted rows (see the module docstring)."""
+    chunk = tl.program_id(0)
+    chunk_start = chunk * BLOCK_T
+    slots = chunk_start + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    slot_in = slots < n_rows
+    col_in = cols < hidden
+    mask = slot_in[:, None] & col_in[None, :]
+    # Ids are >= 0, so -1 stands for "no row there".
+    ids = tl.load(sorted_ids_ptr + slots, mask=slot_in, other=-1)
+    next_ids = tl.load(sorted_ids_ptr + slots + 1, mask=slots + 1 < n_rows, other=-1)
+    id_before = tl.load(sorted_ids_ptr + chunk_start - 1, mask=chunk > 0, other=-1)
+    id_after = tl.load(sorted_ids_ptr + chunk_start + BLOCK_T, mask=chunk_start + BLOCK_T < n_rows,
+                       other=-1)
+    source_rows = tl.load(order_ptr + slots, mask=slot_in, other=0).to(tl.int64)
+    grad = tl.load(grad_ptr + source_rows[:, None] * grad_row_stride
+                   + cols[None, :] * grad_col_stride, mask=mask, other=0.0).to(tl.float32)
+    # Sorted ids: the slots holding id k are one contiguous piece of k's run, so the piece's
+    # sum is the sum over the chunk's slots with the same id (the other slots add exact zeros).
+    same_piece = (ids[:, None] == ids[None, :]) & slot_in[None, :]
+    sums = tl.sum(tl.where(same_piece[:, :, None], grad[None, :, :], 0.0), axis=1)
+    # Store each piece once, from its last slot.
+    piece_end = (mask & ((ids != next_ids) | (slots == n_rows - 1)
+                         | (slots == chunk_start + BLOCK_T - 1))[:, None])
+    started_here = (ids != id_before)[:, None]
+    goes_on = (ids == id_after)[:, None]
+    tl.store(table_grad_ptr + ids.to(tl.int64)[:, None] * hidden + cols[None, :],
+             sums.to(table_grad_ptr.dtype.element_ty), mask=piece_end & started_here & ~goes_on)
+    carry_offsets = tl.broadcast_to(chunk * hidden + cols[None, :], [BLOCK_T, BLOCK_H])
+    tl.store(heads_ptr + carry_offsets, sums, mask=piece_end & ~started_here)
+    tl.store(tails_ptr + carry_offsets, sums, mask=piece_end & started_here & goes_on)
+
+
+@triton.jit
+def _embedding_sum_bwd_carry_kernel(sorted_ids_ptr, run_ends_ptr, heads_ptr, tails_ptr,
+                                    table_grad_ptr, hidden, BLOCK_T: tl.constexpr,
+                                    BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Deterministic pass 2: the runs that cross a chunk boundary, one owner each."""
+    chunk = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_in = cols < hidden
+    chunk_end = (chunk + 1) * BLOCK_T
+    run_id = tl.load(sorted_ids_ptr + chunk_end - 1)
+    run_end = tl.load(run_ends_ptr + chunk)
+    id_before_chunk = tl.load(sorted_ids_ptr + chunk * BLOCK_T - 1, mask=chunk > 0, other=-1)
+    if (run_end > chunk_end) & (id_before_chunk != run_id):
+        acc = tl.load(tails_ptr + chunk * hidden + cols, mask=col_in, other=0.0)
+        last_chunk = (run_end - 1) // BLOCK_T
+        for first in range(chunk + 1, last_chunk + 1, BLOCK_C):
+            chunks = first + tl.arange(0, BLOCK_C)
+            acc += tl.sum(tl.load(heads_ptr + chunks[:, None] * hidden + cols[None, :],
+                                  mask=(chunks <= last_chunk)[:, None] & col_in[None, :],
+                                  other=0.0), axis=0)
+        tl.store(table_grad_ptr + run_id.to(tl.int64) * hidden + cols,
+                 acc.to(table_grad_ptr.dtype.element_ty), mask=col_in)
+
+
+def _fwd_blocks(hidden):
+    """(BLOCK_T, BLOCK_H, num_warps): whole rows, ~4096 elements per tile (32 per thread)."""
+    block_h = triton.next_power_of_2(hidden)
+    return max(1, 4096 // block_h), block_h, 4 if block_h <= 4096 else 8
+
+
+def _bwd_blocks(hidden):
+    """(BLOCK_T, BLOCK_H, num_warps) of the atomic and batch-sum kernels: H tiled by <= 256,
+    4096 elements per tile."""
+    block_h = min(triton.next_power_of_2(hidden), 256)
+    return 4096 // block_h, block_h, 4
+
+
+def _chunk_blocks(hidden):
+    """(BLOCK_T, BLOCK_H, num_warps) of the deterministic passes.
+
+    The chunk kernel holds a (BLOCK_T, BLOCK_T, BLOCK_H) = 8192-element temporary (64 fp32 per
+    thread at 4 warps). A function of H only: the summation order depends on it.
+    """
+    return 16, min(triton.next_power_of_2(hidden), 32), 4
+
+
+# Heads summed per step of the carry pass.
+CARRY_BLOCK = 16
+
+
+def _check_indices(tokens, segments, positions):
+    for name, t in (("tokens", tokens), ("segments", segments), ("positions", positions)):
+        if t is not None and t.dtype not in INDEX_DTYPES:
+            raise TypeError(f"{name} must be an int32 or int64 tensor, got {t.dtype}")
+    if tokens.dim() not in (1, 2):
+        raise ValueError(f"tokens must be (B, L) (padded) or (N,) (packed), got shape {tuple(tokens.shape)}")
+    if segments.shape != tokens.shape:
+        raise ValueError(f"segments must have the shape of tokens {tuple(tokens.shape)}, got "
+                         f"{tuple(segments.shape)}")
+    if tokens.dim() == 1 and positions is None:
+        raise ValueError("packed (1-D) tokens need positions (N,) saying which position row each reads")
+    if tokens.dim() == 2 and positions is not None:
+        raise ValueError("positions are only for packed (1-D) tokens; padded (B, L) tokens read "
+                         "position j at column j")
+    if positions is not None and positions.shape != tokens.shape:
+        raise ValueError(f"positions must have the shape of tokens {tuple(tokens.shape)}, got "
+                         f"{tuple(positions.shape)}")
+
+
+def _check_max_len(tokens, max_len):
+    if tokens.dim() == 2 and tokens.shape[1] > max_len:
+        raise ValueError(f"sequence length {tokens.shape[1]} exceeds the position table's "
+                         f"max_len {max_len}")
+
+
+def _check_same_device(device, **tensors):
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device}, expected {device} like the other inputs")
+
+
+def _check_fwd_inputs(tokens, segments, token_weight, segment_weight, pos_weight, positions):
+    _check_indices(tokens, segments, positions)
+    if token_weight.dim() != 2 or segment_weight.dim() != 2:
+        raise ValueError(f"token_weight and segment_weight must be 2-D (rows, H), got shapes "
+                         f"{tuple(token_weight.shape)} and {tuple(segment_weight.shape)}")
+    if pos_weight.dim() != 3 or pos_weight.shape[0] != 1:
+        raise ValueError(f"pos_weight must be (1, max_len, H), got shape {tuple(pos_weight.shape)}")
+    hidden = token_weight.shape[1]
+    if hidden == 0:
+        raise ValueError("the tables need H >= 1 features, got H = 0")
+    if segment_weight.shape[1] != hidden or pos_weight.shape[2] != hidden:
+        raise ValueError(f"all tables need the same H: token {hidden}, segment "
+                         f"{segment_weight.shape[1]}, position {pos_weight.shape[2]}")
+    if not (token_weight.dtype == segment_weight.dtype == pos_weight.dtype):
+        raise TypeError(f"all tables need one dtype, got token {token_weight.dtype}, segment "
+                        f"{segment_weight.dtype}, position {pos_weight.dtype}")
+    _check_max_len(tokens, pos_weight.shape[1])
+    _check_same_device(token_weight.device, tokens=tokens, segments=segments, positions=positions,
+                       segment_weight=segment_weight, pos_weight=pos_weight)
+
+
+def _check_kernel_dtype(dtype):
+    if dtype not in KERNEL_DTYPES:
+        raise TypeError(f"the Triton embedding_sum takes float16, bfloat16 or float32 tables, got {dtype}")
+
+
+def _flat_ids(ids):
+    return ids.reshape(-1).contiguous()
+
+
+def _embedding_sum_fwd_triton(tokens, segments, token_weight, segment_weight, pos_weight, positions):
+    """Triton forward: tokens.shape + (H,) in the tables' dtype."""
+    _check_fwd_inputs(tokens, segments, token_weight, segment_weight, pos_weight, positions)
+    _check_kernel_dtype(token_weight.dtype)
+    require_triton(tokens, segments, token_weight, segment_weight, pos_weight, positions)
+    hidden = token_weight.shape[1]
+    n_rows = tokens.numel()
+    out = torch.empty((n_rows, hidden), dtype=token_weight.dtype, device=token_weight.device)
+    if n_rows:
+        block_t, block_h, num_warps = _fwd_blocks(hidden)
+        launch(_embedding_sum_fwd_kernel)[(triton.cdiv(n_rows, block_t),)](
+            out, _flat_ids(tokens), _flat_ids(segments),
+            _flat_ids(positions) if positions is not None else None,
+            token_weight, segment_weight, pos_weight, n_rows, tokens.shape[-1], hidden,
+            token_weight.stride(0), token_weight.stride(1), segment_weight.stride(0),
+            segment_weight.stride(1), pos_weight.stride(1), pos_weight.stride(2),
+            HAS_POSITIONS=positions is not None, BLOCK_T=block_t, BLOCK_H=block_h,
+            num_warps=num_warps)
+    return out.view(*tokens.shape, hidden)
+
+
+def _check_bwd_inputs(grad_out, tokens, segments, positions, n_tokens, n_segments, max_len):
+    _check_indices(tokens, segments, positions)
+    if grad_out.dim() != tokens.dim() + 1 or grad_out.shape[:-1] != tokens.shape:
+        raise ValueError(f"grad_out must be tokens.shape + (H,) = {tuple(tokens.shape)} + (H,), got "
+                         f"{tuple(grad_out.shape)}")
+    if grad_out.shape[-1] == 0:
+        raise ValueError("grad_out needs H >= 1 features, got H = 0")
+    for name, n in (("n_tokens", n_tokens), ("n_segments", n_segments), ("max_len", max_len)):
+        if n < 1:
+            raise ValueError(f"{name} (rows of that table) must be >= 1, got {n}")
+    _check_max_len(tokens, max_len)
+    _check_same_device(grad_out.device, tokens=tokens, segments=segments, positions=positions)
+
+
+def _sorted_row_sum(grad_rows, ids, n_table_rows, out_dtype):
+    """(n_table_rows, H) table gradient: the grad rows summed per id, with no atomics."""
+    n_rows, hidden = grad_rows.shape
+    block_t, block_h, num_warps = _chunk_blocks(hidden)
+    table_grad = torch.zeros((n_table_rows, hidden), dtype=out_dtype, device=grad_rows.device)
+    if n_rows == 0:
+        return table_grad
+    # Stable: equal ids keep their row order, so each run is summed in the same order every call.
+    sorted_ids, order = torch.sort(ids, stable=True)
+    n_chunks = triton.cdiv(n_rows, block_t)
+    # Every head or tail that pass 2 reads was written by pass 1: no zeroing needed.
+    heads = torch.empty((n_chunks, hidden), dtype=torch.float32, device=grad_rows.device)
+    tails = torch.empty_like(heads)
+    h_blocks = triton.cdiv(hidden, block_h)
+    launch(_embedding_sum_bwd_chunk_kernel)[(n_chunks, h_blocks)](
+        grad_rows, sorted_ids, order, table_grad, heads, tails, n_rows, hidden,
+        grad_rows.stride(0), grad_rows.stride(1), BLOCK_T=block_t, BLOCK_H=block_h,
+        num_warps=num_warps)
+    if n_chunks > 1:
+        # The end of the run holding each full chunk's last row (the last chunk has no tail).
+        run_ends = torch.searchsorted(sorted_ids, sorted_ids[block_t - 1::block_t].contiguous(),
+                                      right=True)
+        launch(_embedding_sum_bwd_carry_kernel)[(n_chunks - 1, h_blocks)](
+            sorted_ids, run_ends, heads, tails, table_grad, hidden,
+            BLOCK_T=block_t, BLOCK_C=CARRY_BLOCK, BLOCK_H=block_h, num_warps=num_warps)
+    return table_grad
+
+
+def _embedding_sum_bwd_triton(grad_out, tokens, segments, positions, n_tokens, n_segments, max_len,
+                              learn_pos_embedding, deterministic):
+    """Triton backward: (token_grad (n_tokens, H), segment_grad (n_segments, H), pos_grad).
+
+    pos_grad is (1, max_len, H) when learn_pos_embedding, else an empty (0,) tensor. All in
+    grad_out's dtype (the tables' dtype). deterministic: no atomics, bitwise repeatable.
+    """
+    _check_bwd_inputs(grad_out, tokens, segments, positions, n_tokens, n_segments, max_len)
+    _check_kernel_dtype(grad_out.dtype)
+    require_triton(grad_out, tokens, segments, positions)
+    dtype, device, hidden = grad_out.dtype, grad_out.device, grad_out.shape[-1]
+    grad_rows = grad_out.reshape(-1, hidden)
+    n_rows = grad_rows.shape[0]
+    token_ids, segment_ids = _flat_ids(tokens), _flat_ids(segments)
+    position_ids = _flat_ids(positions) if positions is not None else None
+    scatter_positions = learn_pos_embedding and positions is not None
+    block_t, block_h, num_warps = _bwd_blocks(hidden)
+    h_blocks = triton.cdiv(hidden, block_h)
+
+    if deterministic:
+        token_grad = _sorted_row_sum(grad_rows, token_ids, n_tokens, dtype)
+        segment_grad = _sorted_row_sum(grad_rows, segment_ids, n_segments, dtype)
+        if scatter_positions:
+            pos_rows = _sorted_row_sum(grad_rows, position_ids, max_len, dtype)
+    else:
+        fp32_zeros = lambda rows: torch.zeros((rows, hidden), dtype=torch.float32, device=device)
+        token_acc, segment_acc = fp32_zeros(n_tokens), fp32_zeros(n_segments)
+        pos_acc = fp32_zeros(max_len) if scatter_positions else None
+        if n_rows:
+            launch(_embedding_sum_bwd_kernel)[(triton.cdiv(n_rows, block_t), h_blocks)](
+                grad_rows, token_ids, segment_ids, position_ids, token_acc, segment_acc, pos_acc,
+                n_rows, hidden, n_segments, grad_rows.stride(0), grad_rows.stride(1),
+                SCATTER_POSITIONS=scatter_positions, BLOCK_T=block_t, BLOCK_H=block_h,
+                num_warps=num_warps)
+        token_grad, segment_grad = token_acc.to(dtype), segment_acc.to(dtype)
+        if scatter_positions:
+            pos_rows = pos_acc.to(dtype)
+
+    if not learn_pos_embedding:
+        return token_grad, segment_grad, torch.empty(0, dtype=dtype, device=device)
+    if positions is not None:
+        return token_grad, segment_grad, pos_rows.view(1, max_len, hidden)
+    batch, seq_len = tokens.shape
+    pos_grad = torch.zeros((1, max_len, hidden), dtype=dtype, device=device)
+    if n_rows:
+        launch(_embedding_sum_bwd_pos_kernel)[(triton.cdiv(seq_len, block_t), h_blocks)](
+            grad_out, pos_grad, batch, seq_len, hidden,
+            grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
+            BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps)
+    return token_grad, segment_grad, pos_grad
+
+
+def _acc_dtype(dtype):
+    # fp32 sums, except that float64 tables (gradcheck) keep float64.
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _embedding_sum_fwd_cpu(tokens, segments, token_weight, segment_weight, pos_weight, positions):
+    _check_fwd_inputs(tokens, segments, token_weight, segment_weight, pos_weight, positions)
+    acc = _acc_dtype(token_weight.dtype)
+    pos_table = pos_weight[0]
+    pos = pos_table[: tokens.shape[-1]] if positions is None else pos_table[positions]
+    # Contiguous like the launcher's output, whatever the strides of the ids.
+    out = token_weight[tokens.contiguous()].to(acc) + segment_weight[segments.contiguous()].to(acc) + pos.to(acc)
+    return out.to(token_weight.dtype)
+
+
+def _embedding_sum_bwd_cpu(grad_out, tokens, segments, positions, n_tokens, n_segments, max_len,
+                           learn_pos_embedding, deterministic):
+    # index_add_ on the CPU is deterministic, so `deterministic` changes nothing here.
+    _check_bwd_inputs(grad_out, tokens, segments, positions, n_tokens, n_segments, max_len)
+    dtype, hidden = grad_out.dtype, grad_out.shape[-1]
+    acc = _acc_dtype(dtype)
+    grad_rows = grad_out.reshape(-1, hidden).to(acc)
+
+    def scatter(ids, rows):
+        return grad_rows.new_zeros(rows, hidden).index_add_(0, ids.reshape(-1), grad_rows).to(dtype)
+
+    token_grad, segment_grad = scatter(tokens, n_tokens), scatter(segments, n_segments)
+    if not learn_pos_embedding:
+        pos_grad = grad_out.new_empty(0)
+    elif positions is not None:
+        pos_grad = scatter(positions, max_len).view(1, max_len, hidden)
+    else:
+        pos_grad = grad_out.new_zeros(1, max_len, hidden)
+        pos_grad[0, : tokens.shape[1]] = grad_out.to(acc).sum(0).to(dtype)
+    return token_grad, segment_grad, pos_grad
+
+
+@triton_op("bert_fast::embedding_sum_fwd", mutates_args=())
+def embedding_sum_fwd(tokens: torch.Tensor, segments: torch.Tensor, token_weight: torch.Tensor,
+                      segment_weight: torch.Tensor, pos_weight: torch.Tensor,
+                      positions: torch.Tensor | None, deterministic: bool) -> torch.Tensor:
+    """token_weight[tokens] + segment_weight[segments] + pos_weight[0, position].
+
+    ``deterministic`` only reaches the backward (the forward has no reduction).
+    """
+    if token_weight.device.type == "cpu":
+        return _embedding_sum_fwd_cpu(tokens, segments, token_weight, segment_weight, pos_weight,
+                                      positions)
+    return _embedding_sum_fwd_triton(tokens, segments, token_weight, segment_weight, pos_weight,
+                                     positions)
+
+
+@triton_op("bert_fast::embedding_sum_bwd", mutates_args=())
+def embedding_sum_bwd(grad_out: torch.Tensor, tokens: torch.Tensor, segments: torch.Tensor,
+                      positions: torch.Tensor | None, n_tokens: int, n_segments: int, max_len: int,
+                      learn_pos_embedding: bool, deterministic: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token_grad, segment_grad, pos_grad); pos_grad is empty unless learn_pos_embedding."""
+    if grad_out.device.type == "cpu":
+        return _embedding_sum_bwd_cpu(grad_out, tokens, segments, positions, n_tokens, n_segments,
+                                      max_len, learn_pos_embedding, deterministic)
+    return _embedding_sum_bwd_triton(grad_out, tokens, segments, positions, n_tokens, n_segments,
+                                     max_len, learn_pos_embedding, deterministic)
+
+
+def _setup_context(ctx, inputs, output):
+    tokens, segments, token_weight, segment_weight, pos_weight, positions, deterministic = inputs
+    ctx.save_for_backward(tokens, segments, positions)
+    ctx.table_rows = (token_weight.shape[0], segment_weight.shape[0], pos_weight.shape[1])
+    ctx.deterministic = deterministic
+
+
+def _backward(ctx, grad_out):
+    tokens, segments, positions = ctx.saved_tensors
+    _, _, token_needed, segment_needed, pos_needed, _, _ = ctx.needs_input_grad
+    # The position gradient is computed only when the table requires grad: embedding_sum
+    # passes it detached unless learn_pos_embedding.
+    token_grad, segment_grad, pos_grad = embedding_sum_bwd(
+        grad_out, tokens, segments, positions, *ctx.table_rows, pos_needed, ctx.deterministic)
+    return (None, None, token_grad if token_needed else None,
+            segment_grad if segment_needed else None, pos_grad if pos_needed else None, None, None)
+
+
+embedding_sum_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def embedding_sum(tokens, segments, token_weight, segment_weight, pos_weight, *,
+                  positions=None, learn_pos_embedding=False, backend="torch", deterministic=False):
+    """``token_weight[tokens] + segment_weight[segments] + pos_weight[0, position]``.
+
+    Padded (B, L) tokens read position j at column j; packed (N,) tokens need ``positions``.
+    No gradient reaches ``pos_weight`` unless ``learn_pos_embedding`` (the reference's quirk).
+    backend="torch": F.embedding lookups. backend="triton": the registered ops (Triton kernels
+    on CUDA, their PyTorch twins on CPU); ``deterministic=True`` makes its backward use a
+    sort-based reduction instead of atomics, so two runs give the same bits. (The torch
+    backend ignores it: it follows torch.use_deterministic_algorithms.)
+    """
+    if backend == "torch":
+        return _embedding_sum_torch(tokens, segments, token_weight, segment_weight, pos_weight,
+                                    positions, learn_pos_embedding)
+    if backend != "triton":
+        raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
+    if not learn_pos_embedding:
+        pos_weight = pos_weight.detach()
+    return embedding_sum_fwd(tokens, segments, token_weight, segment_weight, pos_weight, positions,
+                             bool(deterministic))
