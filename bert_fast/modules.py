@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from . import ops
-from .backend import resolve_backend
+from .backend import backend_for, resolve_backend
 from .checks import check_encoder_inputs
 from .reference import AddNorm, BERTModel, MaskLM, NextSentencePred
 
@@ -74,15 +74,21 @@ class FastMultiHeadAttention(nn.Module):
 class FastAddNorm(AddNorm):
     """``LayerNorm(X + dropout(Y))``: the reference's module, forward through the op."""
 
+    def __init__(self, normalized_shape, dropout, *, backend=None, **kwargs):
+        super().__init__(normalized_shape, dropout, **kwargs)
+        self.backend = resolve_backend(backend)
+
     def forward(self, X, Y):
         return ops.add_layernorm(Y, X, self.ln.weight, self.ln.bias, self.ln.eps,
-                                 self.dropout.p, self.training)
+                                 self.dropout.p, self.training,
+                                 backend=backend_for(self.backend, X.device))
 
 
 class FastPositionWiseFFN(nn.Module):
     def __init__(self, ffn_num_input, ffn_num_hiddens, ffn_num_outputs, *, activation="relu",
-                 **kwargs):
+                 backend=None, **kwargs):
         super().__init__(**kwargs)
+        self.backend = resolve_backend(backend)
         if activation not in ops.ACTIVATIONS:
             raise ValueError(f"activation must be one of {ops.ACTIVATIONS}, got {activation!r}")
         self.activation = activation
@@ -90,7 +96,8 @@ class FastPositionWiseFFN(nn.Module):
         self.dense2 = nn.Linear(ffn_num_hiddens, ffn_num_outputs)
 
     def forward(self, X):
-        hidden = ops.linear_act(X, self.dense1.weight, self.dense1.bias, self.activation)
+        hidden = ops.linear_act(X, self.dense1.weight, self.dense1.bias, self.activation,
+                                backend=backend_for(self.backend, X.device))
         return self.dense2(hidden)
 
 
@@ -113,10 +120,10 @@ class FastEncoderBlock(nn.Module):
                                  f"feeds its hidden state to that layer")
         self.attention = FastMultiHeadAttention(key_size, query_size, value_size, num_hiddens,
                                                 num_heads, dropout, use_bias, backend=backend)
-        self.addnorm1 = FastAddNorm(norm_shape, dropout)
+        self.addnorm1 = FastAddNorm(norm_shape, dropout, backend=backend)
         self.ffn = FastPositionWiseFFN(ffn_num_input, ffn_num_hiddens, num_hiddens,
-                                       activation=activation)
-        self.addnorm2 = FastAddNorm(norm_shape, dropout)
+                                       activation=activation, backend=backend)
+        self.addnorm2 = FastAddNorm(norm_shape, dropout, backend=backend)
 
     def forward(self, X, valid_lens=None, *, unpadding=None):
         Y = self.addnorm1(X, self.attention(X, X, X, valid_lens, unpadding=unpadding))
@@ -133,7 +140,8 @@ class FastBERTEncoder(nn.Module):
       skip_padding: compute valid tokens only (1-D valid_lens).
         Valid positions match the exact mode; padded positions of the output are zeros
         (the exact mode computes real values there).
-      backend: "torch" (default; see bert_fast.backend).
+      backend: "auto" (default: triton for CUDA inputs, else torch), "torch" or "triton"
+        (see bert_fast.backend).
       check_inputs: validate ids, lengths, shapes and devices (one host sync); set False
         (or flip the attribute) in a production loop that already guarantees them.
     """
@@ -165,7 +173,8 @@ class FastBERTEncoder(nn.Module):
                                  device=self.pos_embedding.device, skip_padding=self.skip_padding)
         embed = dict(token_weight=self.token_embedding.weight,
                      segment_weight=self.segment_embedding.weight,
-                     pos_weight=self.pos_embedding, learn_pos_embedding=self.learn_pos_embedding)
+                     pos_weight=self.pos_embedding, learn_pos_embedding=self.learn_pos_embedding,
+                     backend=backend_for(self.backend, tokens.device))
         if not (self.skip_padding and valid_lens is not None):
             X = ops.embedding_sum(tokens, segments, **embed)
             for blk in self.blks:

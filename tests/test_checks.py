@@ -80,8 +80,8 @@ def test_unsupported_config(change, message):
 def test_unknown_options():
     with pytest.raises(ValueError, match="activation must be one of"):
         FastBERTEncoder(**encoder_config(), activation="swish")
-    with pytest.raises(ValueError, match="backend 'triton' is not implemented"):
-        FastBERTEncoder(**encoder_config(), backend="triton")
+    with pytest.raises(ValueError, match="backend 'cuda' is not implemented"):
+        FastBERTEncoder(**encoder_config(), backend="cuda")
     with pytest.raises(ValueError, match="unknown backend 'tpu'"):
         FastEncoderBlock(8, 8, 8, 8, [8], 8, 16, 2, 0.0, backend="tpu")
     with pytest.raises(ValueError, match="must be divisible"):
@@ -94,3 +94,15 @@ def test_backend_from_environment(monkeypatch):
         FastBERTEncoder(**encoder_config())
     monkeypatch.setenv("BERT_FAST_BACKEND", "torch")
     assert FastBERTEncoder(**encoder_config()).backend == "torch"
+    monkeypatch.delenv("BERT_FAST_BACKEND")
+    encoder = FastBERTEncoder(**encoder_config())
+    assert encoder.backend == "auto" and encoder.blks[0].addnorm1.backend == "auto"
+
+
+def test_auto_backend_follows_the_device():
+    from bert_fast.backend import backend_for
+    from bert_fast.ops._triton import HAS_TRITON
+    assert backend_for("auto", torch.device("cpu")) == "torch"
+    assert backend_for("auto", torch.device("cuda")) == ("triton" if HAS_TRITON else "torch")
+    assert backend_for("torch", torch.device("cuda")) == "torch"
+    assert backend_for("triton", torch.device("cpu")) == "triton"
