@@ -252,3 +252,23 @@ def test_bert_model_matches_reference(with_positions):
         for name, p in ref.named_parameters():
             if p.grad is not None:
                 assert_close(fast_params[name].grad, p.grad, atol=1e-4, rtol=1e-4, what=name)
+
+
+@pytest.mark.parametrize("case", ["none", "fractional", "zero", "2d"])
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_triton_backend_matches_reference(case, training):
+    """backend="triton" end to end: on CPU tensors the registered ops run their PyTorch
+    twins, so outputs and gradients must match the reference like the torch backend's."""
+    ref, fast = encoder_pair(encoder_config(), backend="triton", learn_pos_embedding=False)
+    ref.train(training), fast.train(training)
+    tokens, segments = random_inputs(B, L, 50)
+    compare_forward_backward(ref, fast, tokens, segments, valid_lens_case(case, B, L))
+
+
+def test_triton_backend_gelu_and_learned_positions():
+    cfg = encoder_config()
+    ref_torch, fast_torch = encoder_pair(cfg, activation="gelu", learn_pos_embedding=True)
+    _, fast_triton = encoder_pair(cfg, activation="gelu", learn_pos_embedding=True, backend="triton")
+    fast_triton.load_state_dict(fast_torch.state_dict())
+    tokens, segments = random_inputs(B, L, 50)
+    compare_forward_backward(fast_torch, fast_triton, tokens, segments, torch.tensor([4, 13, 0]))

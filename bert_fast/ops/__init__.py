@@ -2,9 +2,9 @@
 
 from .add_layernorm import add_layernorm
 from .attention import attention, key_mask, packed_self_attention, unpadded_self_attention
-from .bias_act import ACTIVATIONS, linear_act
+from .bias_act import ACTIVATIONS, bias_act, linear_act
 from .embedding import embedding_sum
 from .padding import Unpadding, pad, unpad, unpadding_for
 
 __all__ = ["add_layernorm", "attention", "key_mask", "packed_self_attention", "unpadded_self_attention", "ACTIVATIONS",
-           "linear_act", "embedding_sum", "Unpadding", "pad", "unpad", "unpadding_for"]
+           "bias_act", "linear_act", "embedding_sum", "Unpadding", "pad", "unpad", "unpadding_for"]
