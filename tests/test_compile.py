@@ -19,3 +19,16 @@ def test_fullgraph_compile_matches_reference(valid_lens):
     fast.train()
     compiled(tokens, segments, valid_lens).sum().backward()
     assert fast.blks[0].attention.W_q.weight.grad is not None
+
+
+def test_fullgraph_compile_through_the_registered_triton_ops():
+    """backend="triton" on CPU tensors: the registered ops (their CPU twins) trace cleanly."""
+    torch._dynamo.reset()
+    ref, fast = encoder_pair(encoder_config(num_layers=1), backend="triton")
+    tokens, segments = random_inputs(3, 9, 50)
+    valid_lens = torch.tensor([3, 0, 9])
+    compiled = torch.compile(fast, fullgraph=True)
+    assert_close(compiled(tokens, segments, valid_lens), ref(tokens, segments, valid_lens), atol=1e-4)
+    fast.train()
+    compiled(tokens, segments, valid_lens).sum().backward()
+    assert fast.blks[0].ffn.dense1.weight.grad is not None
