@@ -100,9 +100,11 @@ def test_backend_from_environment(monkeypatch):
 
 
 def test_auto_backend_follows_the_device():
-    from bert_fast.backend import backend_for
+    from bert_fast import backend
     from bert_fast.ops._triton import HAS_TRITON
-    assert backend_for("auto", torch.device("cpu")) == "torch"
-    assert backend_for("auto", torch.device("cuda")) == ("triton" if HAS_TRITON else "torch")
+    assert backend.backend_for("auto", torch.device("cpu")) == "torch"
+    expected = "triton" if backend.AUTO_USES_TRITON_ON_CUDA and HAS_TRITON else "torch"
+    assert backend.backend_for("auto", torch.device("cuda")) == expected
+    backend_for = backend.backend_for
     assert backend_for("torch", torch.device("cuda")) == "torch"
     assert backend_for("triton", torch.device("cpu")) == "triton"
