@@ -58,13 +58,15 @@ class FastMultiHeadAttention(nn.Module):
         """As the reference. With ``unpadding`` (skip_padding), ``queries`` is the (N, H)
         packed valid tokens of a self-attention and ``unpadding`` says where they sit."""
         dropout_p = self.dropout.p if self.training else 0.0
+        backend = backend_for(self.backend, queries.device)
         if unpadding is not None:
             qkv = F.linear(queries, *self._packed_qkv())
             context = ops.unpadded_self_attention(qkv, self.num_heads, unpadding, valid_lens,
-                                                  dropout_p)
+                                                  dropout_p, backend=backend)
         elif queries is keys and keys is values:
             qkv = F.linear(queries, *self._packed_qkv())
-            context = ops.packed_self_attention(qkv, self.num_heads, valid_lens, dropout_p)
+            context = ops.packed_self_attention(qkv, self.num_heads, valid_lens, dropout_p,
+                                                backend=backend)
         else:
             context = ops.attention(self.W_q(queries), self.W_k(keys), self.W_v(values),
                                     self.num_heads, valid_lens, dropout_p)

@@ -8,11 +8,50 @@ a boolean mask that row would be NaN. We get the reference's answer, and its gra
 unmasking every key for such rows and zeroing their query: all scores become exactly 0,
 the softmax is exactly uniform, and no gradient flows to Q or K from that row — as in the
 reference, where the -1e6 constants cut those paths too.
+
+Triton path (``backend="triton"``): flash-style kernels that never materialise the (L, L)
+weights. They read Q, K, V straight from the packed projection ``qkv`` (B, L, 3H) through its
+strides (head h of Q is features ``h*d:(h+1)*d``, of K the same in the second third, of V in
+the last), write the context in merged-head layout (B, L, H), and keep one statistic per
+query row, the log-sum-exp of its scaled scores (LSE, (B, heads, L)), for the backward. Masked
+scores are replaced by -1e6 inside the kernel exactly as in the reference, so a row that sees
+no key comes out uniform over its L keys by the online softmax itself; only key slots past the
+sequence's end (block padding) are excluded with -inf. The varlen form runs on the packed
+valid tokens of skip_padding, ``qkv`` (N, 3H) with int32 ``cu_seqlens`` (B+1,): sequence b is
+rows ``cu_seqlens[b]:cu_seqlens[b+1]``, every key of a sequence is visible to its queries, and
+the grid is sized by a static ``max_seqlen`` (no host sync): programs past a sequence's end exit.
+
+The LSE is stored in fp64, the one departure from "statistics in fp32": a row that sees no key
+has LSE = -1e6 + log L, where fp32 resolves only steps of 1/16, so a backward that recomputes
+its weights as exp(score - LSE) would get 1/L wrong by up to ~4%. Kernels read the fp64 LSE once
+per row and split it into two fp32 parts; all per-element math stays fp32.
+
+Dropout on the weights: keep (b, h, i, j) iff philox(seed, counter=(i * L + j, b * heads + h))
+mapped to [0, 1) is >= p, kept weights scaled by 1/(1-p). The counter is unique per element for
+L <= 65536, and the backward kernels regenerate the same bits.
+
+Cost model, per (batch, head) with sequence length L and head dim d (e = bytes per element):
+  forward   2 GEMMs (Q K^T, P V): 4 L^2 d FLOPs. HBM: Q, K, V read once per query block (K, V
+            re-reads mostly hit L2) and the context written once: ~(3 + 1) L d e bytes, + 8 L (LSE).
+  backward  preprocess delta = rowsum(dO * O): reads 2 L d e. dK/dV kernel: 4 GEMMs (recompute
+            K Q^T, dV += P^T dO, dP^T = V dO^T, dK += dS^T Q), dQ kernel: 3 GEMMs (recompute
+            Q K^T, dP = dO V^T, dQ += dS K): 14 L^2 d FLOPs, 1.4x the 10 L^2 d of a fused
+            single-kernel backward, paid to stay deterministic without atomics. HBM: ~(3 + 2 + 3)
+            L d e bytes (qkv, O and dO, dqkv) + stats.
+Arithmetic intensity ~L / e FLOP per byte: near the ridge of an A100 / H100 (~150-300 FLOP/B in
+fp16) at BERT's L = 128-512, so the target is HBM bandwidth at L = 128 and a large fraction of
+the tensor-core peak at L >= 512 (not measured yet: needs a GPU).
 """
 
+import math
+from typing import NamedTuple
+
 import torch
+from torch.library import triton_op
 from torch.nn import functional as F
 
+from ..reference import MASK_VALUE
+from ._triton import interpreting, launch, require_triton, tl, triton
 from .padding import pad, unpad
 
 
@@ -57,22 +96,768 @@ def attention(queries, keys, values, num_heads, valid_lens=None, dropout_p=0.0):
     return out.transpose(1, 2).reshape(batch, num_queries, hidden)
 
 
-def packed_self_attention(qkv, num_heads, valid_lens=None, dropout_p=0.0):
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+_LOG2E = tl.constexpr(math.log2(math.e))
+_LN2 = tl.constexpr(math.log(2.0))
+# Kernels work in base 2 (exp2); this is the reference's replacement score in those units.
+_MASKED_SCORE_LOG2 = tl.constexpr(MASK_VALUE * math.log2(math.e))
+
+_MAX_HEAD_DIM = 256
+_MAX_DROPOUT_SEQLEN = 65536      # the Philox counter i * L + j must fit 32 bits
+_MAX_GRID_Y = 65535              # CUDA's limit on the second grid axis (batch * heads)
+
+
+@triton.jit
+def _sequence_span(cu_seqlens, b, max_seqlen, IS_VARLEN: tl.constexpr):
+    """First row (int64) and length of sequence b: packed rows for varlen, the padded L else."""
+    if IS_VARLEN:
+        first = tl.load(cu_seqlens + b)
+        seq_len = tl.load(cu_seqlens + b + 1) - first
+    else:
+        first = b * 0
+        seq_len = b * 0 + max_seqlen
+    return first.to(tl.int64), seq_len
+
+
+@triton.jit
+def _dropout_keep(seed, bh, queries, keys, max_seqlen, dropout_p):
+    """Keep mask for broadcastable query / key index blocks of (batch * heads + head) ``bh``."""
+    counter = (queries.to(tl.int64) * max_seqlen + keys).to(tl.uint32)
+    zero = counter * 0
+    bits, _, _, _ = tl.philox(seed, counter, zero + bh.to(tl.uint32), zero, zero)
+    return tl.uint_to_uniform_float(bits) >= dropout_p
+
+
+@triton.jit
+def _split_lse(lse):
+    """fp64 LSE (natural log) -> base-2 value as hi + lo fp32 parts, (s - hi) - lo exact enough."""
+    lse2 = lse * _LOG2E
+    hi = lse2.to(tl.float32)
+    return hi, (lse2 - hi.to(tl.float64)).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _attention_fwd_kernel(
+        qkv, out, lse, visible_counts, cu_seqlens,
+        stride_qkv_b, stride_qkv_l, stride_qkv_f,
+        stride_out_b, stride_out_l, stride_out_f,
+        stride_lse_b, stride_lse_h, stride_lse_l,
+        stride_counts_b, stride_counts_l,
+        num_heads, head_dim, max_seqlen, sm_scale, dropout_p, seed,
+        HAS_VALID_LENS: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program: BLOCK_M queries of one (batch, head) against all keys, online softmax."""
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // num_heads
+    h = bh % num_heads
+    first, seq_len = _sequence_span(cu_seqlens, b, max_seqlen, IS_VARLEN)
+    if start_m >= seq_len:
+        return
+    hidden = num_heads * head_dim
+    qkv += b.to(tl.int64) * stride_qkv_b + first * stride_qkv_l + h * head_dim * stride_qkv_f
+    out += b.to(tl.int64) * stride_out_b + first * stride_out_l + h * head_dim * stride_out_f
+    lse += b.to(tl.int64) * stride_lse_b + h * stride_lse_h + first * stride_lse_l
+
+    queries = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    query_ok = queries < seq_len
+    d_ok = offs_d < head_dim
+    q = tl.load(qkv + queries[:, None] * stride_qkv_l + offs_d[None, :] * stride_qkv_f,
+                mask=query_ok[:, None] & d_ok[None, :], other=0.0)
+    # int32 offsets, not a tile of 64-bit pointers: half the registers.
+    kv_offsets = offs_n[:, None] * stride_qkv_l + offs_d[None, :] * stride_qkv_f
+    if HAS_VALID_LENS:
+        counts = tl.load(visible_counts + b * stride_counts_b + queries * stride_counts_l,
+                         mask=query_ok, other=0)
+
+    qk_scale = sm_scale * _LOG2E
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start_n in range(0, seq_len, BLOCK_N):
+        keys = start_n + offs_n
+        key_ok = keys < seq_len
+        kv_mask = key_ok[:, None] & d_ok[None, :]
+        k_block = qkv + (hidden * stride_qkv_f + start_n * stride_qkv_l)
+        k = tl.load(k_block + kv_offsets, mask=kv_mask, other=0.0)
+        v = tl.load(k_block + hidden * stride_qkv_f + kv_offsets, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if HAS_VALID_LENS:
+            s = tl.where(keys[None, :] < counts[:, None], s, _MASKED_SCORE_LOG2)
+        s = tl.where(key_ok[None, :], s, float("-inf"))
+        # Key 0 is always in bounds, so m_new is finite from the first block on.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:
+            keep = _dropout_keep(seed, bh, queries[:, None], keys[None, :], max_seqlen, dropout_p)
+            p = tl.where(keep, p, 0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    acc = acc / l_i[:, None]
+    if HAS_DROPOUT:
+        acc = acc * (1.0 / (1.0 - dropout_p))
+    tl.store(out + queries[:, None] * stride_out_l + offs_d[None, :] * stride_out_f,
+             acc.to(out.dtype.element_ty), mask=query_ok[:, None] & d_ok[None, :])
+    tl.store(lse + queries * stride_lse_l,
+             m_i.to(tl.float64) * _LN2 + tl.log(l_i).to(tl.float64), mask=query_ok)
+
+
+@triton.jit
+def _attention_bwd_preprocess_kernel(
+        out, dout, delta, cu_seqlens,
+        stride_out_b, stride_out_l, stride_out_f,
+        stride_dout_b, stride_dout_l, stride_dout_f,
+        stride_delta_b, stride_delta_h, stride_delta_l,
+        num_heads, head_dim, max_seqlen,
+        IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """delta = rowsum(dO * O) in fp32 for BLOCK_M rows of one (batch, head)."""
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // num_heads
+    h = bh % num_heads
+    first, seq_len = _sequence_span(cu_seqlens, b, max_seqlen, IS_VARLEN)
+    if start_m >= seq_len:
+        return
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = rows < seq_len
+    mask = row_ok[:, None] & (offs_d < head_dim)[None, :]
+    o = tl.load(out + b.to(tl.int64) * stride_out_b + first * stride_out_l
+                + rows[:, None] * stride_out_l + (h * head_dim + offs_d[None, :]) * stride_out_f,
+                mask=mask, other=0.0)
+    do = tl.load(dout + b.to(tl.int64) * stride_dout_b + first * stride_dout_l
+                 + rows[:, None] * stride_dout_l + (h * head_dim + offs_d[None, :]) * stride_dout_f,
+                 mask=mask, other=0.0)
+    tl.store(delta + b.to(tl.int64) * stride_delta_b + h * stride_delta_h + (first + rows) * stride_delta_l,
+             tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _attention_bwd_dkdv_kernel(
+        qkv, dout, lse, delta, dqkv, visible_counts, cu_seqlens,
+        stride_qkv_b, stride_qkv_l, stride_qkv_f,
+        stride_dout_b, stride_dout_l, stride_dout_f,
+        stride_dqkv_b, stride_dqkv_l, stride_dqkv_f,
+        stride_lse_b, stride_lse_h, stride_lse_l,
+        stride_counts_b, stride_counts_l,
+        num_heads, head_dim, max_seqlen, sm_scale, dropout_p, seed,
+        HAS_VALID_LENS: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program: dK, dV of BLOCK_N keys of one (batch, head), looping over all queries.
+
+    Works on transposed (key, query) tiles so dK and dV accumulate without transposes. Query
+    rows past the sequence's end load zero Q and dO (and zero delta), so they add nothing
+    whatever weight the zero LSE gives them. Delta and LSE share one layout (strides).
+    """
+    start_n = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1)
+    b = bh // num_heads
+    h = bh % num_heads
+    first, seq_len = _sequence_span(cu_seqlens, b, max_seqlen, IS_VARLEN)
+    if start_n >= seq_len:
+        return
+    hidden = num_heads * head_dim
+    qkv += b.to(tl.int64) * stride_qkv_b + first * stride_qkv_l + h * head_dim * stride_qkv_f
+    dout += b.to(tl.int64) * stride_dout_b + first * stride_dout_l + h * head_dim * stride_dout_f
+    dqkv += b.to(tl.int64) * stride_dqkv_b + first * stride_dqkv_l + h * head_dim * stride_dqkv_f
+    stats_offset = b.to(tl.int64) * stride_lse_b + h * stride_lse_h + first * stride_lse_l
+    lse += stats_offset
+    delta += stats_offset
+
+    keys = start_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    kv_mask = (keys < seq_len)[:, None] & d_ok[None, :]
+    kv_offsets = keys[:, None] * stride_qkv_l + offs_d[None, :] * stride_qkv_f
+    k = tl.load(qkv + hidden * stride_qkv_f + kv_offsets, mask=kv_mask, other=0.0)
+    v = tl.load(qkv + 2 * hidden * stride_qkv_f + kv_offsets, mask=kv_mask, other=0.0)
+
+    qk_scale = sm_scale * _LOG2E
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    for start_m in range(0, seq_len, BLOCK_M):
+        queries = start_m + offs_m
+        query_ok = queries < seq_len
+        q_mask = query_ok[:, None] & d_ok[None, :]
+        q = tl.load(qkv + queries[:, None] * stride_qkv_l + offs_d[None, :] * stride_qkv_f,
+                    mask=q_mask, other=0.0)
+        do = tl.load(dout + queries[:, None] * stride_dout_l + offs_d[None, :] * stride_dout_f,
+                     mask=q_mask, other=0.0)
+        lse_hi, lse_lo = _split_lse(tl.load(lse + queries * stride_lse_l, mask=query_ok, other=0.0))
+        delta_rows = tl.load(delta + queries * stride_lse_l, mask=query_ok, other=0.0)
+
+        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
+        if HAS_VALID_LENS:
+            counts = tl.load(visible_counts + b * stride_counts_b + queries * stride_counts_l,
+                             mask=query_ok, other=0)
+            visible_t = keys[:, None] < counts[None, :]
+            s_t = tl.where(visible_t, s_t, _MASKED_SCORE_LOG2)
+        p_t = tl.exp2(s_t - lse_hi[None, :] - lse_lo[None, :])
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        if HAS_DROPOUT:
+            keep_t = _dropout_keep(seed, bh, queries[None, :], keys[:, None], max_seqlen, dropout_p)
+            keep_scale = 1.0 / (1.0 - dropout_p)
+            z_t = tl.where(keep_t, p_t * keep_scale, 0.0)
+            dp_t = tl.where(keep_t, dp_t * keep_scale, 0.0)
+        else:
+            z_t = p_t
+        dv += tl.dot(z_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta_rows[None, :])
+        if HAS_VALID_LENS:
+            # Replaced scores are constants: no gradient reaches Q or K through them.
+            ds_t = tl.where(visible_t, ds_t, 0.0)
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+
+    dk *= sm_scale
+    d_offsets = keys[:, None] * stride_dqkv_l + offs_d[None, :] * stride_dqkv_f
+    tl.store(dqkv + hidden * stride_dqkv_f + d_offsets, dk.to(dqkv.dtype.element_ty), mask=kv_mask)
+    tl.store(dqkv + 2 * hidden * stride_dqkv_f + d_offsets, dv.to(dqkv.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _attention_bwd_dq_kernel(
+        qkv, dout, lse, delta, dqkv, visible_counts, cu_seqlens,
+        stride_qkv_b, stride_qkv_l, stride_qkv_f,
+        stride_dout_b, stride_dout_l, stride_dout_f,
+        stride_dqkv_b, stride_dqkv_l, stride_dqkv_f,
+        stride_lse_b, stride_lse_h, stride_lse_l,
+        stride_counts_b, stride_counts_l,
+        num_heads, head_dim, max_seqlen, sm_scale, dropout_p, seed,
+        HAS_VALID_LENS: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program: dQ of BLOCK_M queries of one (batch, head), looping over all keys.
+
+    Key rows past the sequence's end load zero K and V, so whatever weight they get, their
+    dS multiplies a zero K row.
+    """
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // num_heads
+    h = bh % num_heads
+    first, seq_len = _sequence_span(cu_seqlens, b, max_seqlen, IS_VARLEN)
+    if start_m >= seq_len:
+        return
+    hidden = num_heads * head_dim
+    qkv += b.to(tl.int64) * stride_qkv_b + first * stride_qkv_l + h * head_dim * stride_qkv_f
+    dout += b.to(tl.int64) * stride_dout_b + first * stride_dout_l + h * head_dim * stride_dout_f
+    dqkv += b.to(tl.int64) * stride_dqkv_b + first * stride_dqkv_l + h * head_dim * stride_dqkv_f
+    stats_offset = b.to(tl.int64) * stride_lse_b + h * stride_lse_h + first * stride_lse_l
+
+    queries = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    query_ok = queries < seq_len
+    d_ok = offs_d < head_dim
+    q_mask = query_ok[:, None] & d_ok[None, :]
+    q = tl.load(qkv + queries[:, None] * stride_qkv_l + offs_d[None, :] * stride_qkv_f,
+                mask=q_mask, other=0.0)
+    do = tl.load(dout + queries[:, None] * stride_dout_l + offs_d[None, :] * stride_dout_f,
+                 mask=q_mask, other=0.0)
+    lse_hi, lse_lo = _split_lse(tl.load(lse + stats_offset + queries * stride_lse_l, mask=query_ok, other=0.0))
+    delta_rows = tl.load(delta + stats_offset + queries * stride_lse_l, mask=query_ok, other=0.0)
+    if HAS_VALID_LENS:
+        counts = tl.load(visible_counts + b * stride_counts_b + queries * stride_counts_l,
+                         mask=query_ok, other=0)
+    kv_offsets = offs_n[:, None] * stride_qkv_l + offs_d[None, :] * stride_qkv_f
+
+    qk_scale = sm_scale * _LOG2E
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start_n in range(0, seq_len, BLOCK_N):
+        keys = start_n + offs_n
+        kv_mask = (keys < seq_len)[:, None] & d_ok[None, :]
+        k_block = qkv + (hidden * stride_qkv_f + start_n * stride_qkv_l)
+        k = tl.load(k_block + kv_offsets, mask=kv_mask, other=0.0)
+        v = tl.load(k_block + hidden * stride_qkv_f + kv_offsets, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if HAS_VALID_LENS:
+            visible = keys[None, :] < counts[:, None]
+            s = tl.where(visible, s, _MASKED_SCORE_LOG2)
+        p = tl.exp2(s - lse_hi[:, None] - lse_lo[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if HAS_DROPOUT:
+            keep = _dropout_keep(seed, bh, queries[:, None], keys[None, :], max_seqlen, dropout_p)
+            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+        ds = p * (dp - delta_rows[:, None])
+        if HAS_VALID_LENS:
+            ds = tl.where(visible, ds, 0.0)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+
+    dq *= sm_scale
+    tl.store(dqkv + queries[:, None] * stride_dqkv_l + offs_d[None, :] * stride_dqkv_f,
+             dq.to(dqkv.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _attention_dropout_keep_kernel(keep, max_seqlen, dropout_p, seed,
+                                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Materialise the kernels' keep mask (B, heads, L, L) as int8: for tests only."""
+    queries = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    keys = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    bh = tl.program_id(2)
+    kept = _dropout_keep(seed, bh, queries[:, None], keys[None, :], max_seqlen, dropout_p)
+    tl.store(keep + bh.to(tl.int64) * max_seqlen * max_seqlen + queries[:, None] * max_seqlen + keys[None, :],
+             kept.to(tl.int8), mask=(queries < max_seqlen)[:, None] & (keys < max_seqlen)[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+class _Tiles(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Tiles per (BLOCK_D, element size): forward (BLOCK_M, BLOCK_N, warps, stages), then the dK/dV
+# kernel (queries streamed, keys resident) and the dQ kernel (queries resident, keys streamed).
+# Chosen without a GPU, from Triton 3.9's ahead-of-time compile (triton.compile for a
+# GPUTarget, then cuobjdump -res-usage) for sm80 and sm90, fp16/bf16/fp32, with and without
+# valid_lens, varlen and dropout: no register spills beyond a few bytes, and at most 67 KB of
+# shared memory, which sm86/89 (99 KB) hold as well. Timings on a GPU may move them.
+_GPU_TILES = {
+    (64, 2): (_Tiles(128, 64, 8, 3), _Tiles(32, 128, 8, 2), _Tiles(128, 32, 8, 2)),
+    (128, 2): (_Tiles(128, 32, 8, 2), _Tiles(32, 32, 8, 2), _Tiles(64, 32, 8, 2)),
+    (256, 2): (_Tiles(32, 32, 8, 2), _Tiles(16, 32, 8, 2), _Tiles(32, 16, 8, 2)),
+    # fp32 products are FMA loops (ieee precision): registers, not shared memory, limit the tiles.
+    (64, 4): (_Tiles(64, 32, 8, 2), _Tiles(32, 32, 8, 2), _Tiles(32, 32, 8, 2)),
+    (128, 4): (_Tiles(32, 16, 8, 2), _Tiles(16, 32, 8, 2), _Tiles(32, 16, 8, 2)),
+    (256, 4): (_Tiles(32, 16, 8, 2), _Tiles(16, 16, 8, 2), _Tiles(16, 16, 8, 2)),
+}
+
+
+def _attention_tiles(head_dim, element_size, interpreter=None):
+    """``(BLOCK_D, forward tiles, dK/dV tiles, dQ tiles)`` for a head dim and element size in bytes.
+
+    BLOCK_D is the next power of two >= d (loads mask the rest); d = 192 shares d = 256's
+    smaller tiles. Under Triton's interpreter, 16 x 16 tiles: it runs tiles as numpy arrays,
+    and test sequences of ~20 tokens then cross block boundaries.
+    """
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    if interpreting() if interpreter is None else interpreter:
+        tiles = _Tiles(16, 16, 1, 1)
+        return block_d, tiles, tiles, tiles
+    return (block_d,) + _GPU_TILES[max(64, block_d), min(element_size, 4)]
+
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_CPU_DTYPES = _DTYPES + (torch.float64,)     # the CPU twins also serve fp64 gradchecks
+
+
+def _check_qkv(qkv, num_heads, layout, dtypes):
+    """Shape and dtype of a packed projection; returns the head dim."""
+    expected_dim = 3 if layout == "(B, L, 3H)" else 2
+    if qkv.dim() != expected_dim:
+        raise ValueError(f"qkv must be the packed projection {layout}, got shape {tuple(qkv.shape)}")
+    if qkv.dtype not in dtypes:
+        raise ValueError(f"qkv must be one of {', '.join(map(str, dtypes))}, got {qkv.dtype}")
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    if qkv.shape[-1] % (3 * num_heads) != 0:
+        raise ValueError(f"the last dim of qkv ({qkv.shape[-1]}) must be 3 * num_heads * head_dim "
+                         f"(divisible by 3 * num_heads = {3 * num_heads})")
+    head_dim = qkv.shape[-1] // (3 * num_heads)
+    if not 1 <= head_dim <= _MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be 1..{_MAX_HEAD_DIM}, got {head_dim}")
+    return head_dim
+
+
+def _check_dropout(dropout_p, max_seqlen):
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p > 0.0 and max_seqlen > _MAX_DROPOUT_SEQLEN:
+        raise ValueError(f"attention dropout supports sequences up to {_MAX_DROPOUT_SEQLEN} tokens, "
+                         f"got {max_seqlen}")
+
+
+def _check_attention_inputs(qkv, valid_lens, num_heads, dropout_p, dtypes=_DTYPES):
+    head_dim = _check_qkv(qkv, num_heads, "(B, L, 3H)", dtypes)
+    batch, seqlen = qkv.shape[:2]
+    if valid_lens is not None:
+        if tuple(valid_lens.shape) not in ((batch,), (batch, seqlen)):
+            raise ValueError(f"valid_lens must have shape (B,) = ({batch},) or (B, L) = ({batch}, {seqlen}), "
+                             f"got {tuple(valid_lens.shape)}")
+        if valid_lens.dtype == torch.bool or valid_lens.dtype.is_complex:
+            raise ValueError(f"valid_lens must be an integer or floating point tensor, got {valid_lens.dtype}")
+        if valid_lens.device != qkv.device:
+            raise ValueError(f"valid_lens is on {valid_lens.device} but qkv is on {qkv.device}")
+    _check_dropout(dropout_p, seqlen)
+    return head_dim
+
+
+def _check_varlen_inputs(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, dtypes=_DTYPES):
+    head_dim = _check_qkv(qkv, num_heads, "(N, 3H)", dtypes)
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must be 1-D (B+1,) with B >= 1, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.dtype != torch.int32:
+        raise ValueError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.device != qkv.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but qkv is on {qkv.device}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise ValueError(f"max_seqlen must be an int >= 0 (at least the longest sequence), got {max_seqlen!r}")
+    _check_dropout(dropout_p, max_seqlen)
+    return head_dim
+
+
+def _check_bwd_inputs(grad_out, out, lse, qkv, num_heads, head_dim, lse_shape):
+    context_shape = tuple(qkv.shape[:-1]) + (num_heads * head_dim,)
+    for name, t in (("grad_out", grad_out), ("out", out)):
+        if tuple(t.shape) != context_shape:
+            raise ValueError(f"{name} must have the context's shape {context_shape}, got {tuple(t.shape)}")
+        if t.dtype != qkv.dtype or t.device != qkv.device:
+            raise ValueError(f"{name} must be {qkv.dtype} on {qkv.device} like qkv, got {t.dtype} on {t.device}")
+    if tuple(lse.shape) != lse_shape or lse.dtype != torch.float64 or lse.device != qkv.device:
+        raise ValueError(f"lse must be the forward's float64 {lse_shape} on {qkv.device}, "
+                         f"got {lse.dtype} {tuple(lse.shape)} on {lse.device}")
+
+
+def _visible_key_counts(valid_lens, batch, seqlen):
+    """How many keys each query sees, as an int32 (B, L) view (stride 0 over queries for 1-D).
+
+    Key j is visible iff float32(j) < valid_len, i.e. j < ceil(valid_len) for integer j; the
+    ceil runs in the dtype the reference compares in (float32, or float64 for float64 lengths).
+    """
+    lengths = valid_lens.to(torch.promote_types(valid_lens.dtype, torch.float32))
+    counts = torch.ceil(lengths).nan_to_num(nan=0.0).clamp(0, seqlen).to(torch.int32)
+    return counts[:, None].expand(batch, seqlen) if counts.dim() == 1 else counts
+
+
+def _strides(t):
+    """(batch, row, column) strides; packed varlen tensors have no batch axis (stride 0)."""
+    return tuple(t.stride()) if t.dim() == 3 else (0,) + tuple(t.stride())
+
+
+def _launch_config(qkv, head_dim, batch, num_heads):
+    if batch * num_heads > _MAX_GRID_Y:
+        raise ValueError(f"batch * num_heads must be at most {_MAX_GRID_Y}, got {batch} * {num_heads}")
+    # fp32 inputs get fp32 products (PyTorch's default for fp32 matmuls), not TF32.
+    precision = "ieee" if qkv.dtype == torch.float32 else None
+    return _attention_tiles(head_dim, qkv.element_size()) + (precision,)
+
+
+def _launch_fwd(qkv, out, lse, counts, cu_seqlens, batch, num_heads, head_dim, max_seqlen,
+                dropout_p, seed):
+    """qkv, out, lse, counts go by their strides; cu_seqlens must be contiguous."""
+    block_d, tiles, _, _, precision = _launch_config(qkv, head_dim, batch, num_heads)
+    if max_seqlen == 0 or batch == 0:
+        return
+    grid = (triton.cdiv(max_seqlen, tiles.block_m), batch * num_heads)
+    launch(_attention_fwd_kernel)[grid](
+        qkv, out, lse, counts, cu_seqlens,
+        *_strides(qkv), *_strides(out), *_strides(lse),
+        *(counts.stride() if counts is not None else (0, 0)),
+        num_heads, head_dim, max_seqlen, 1.0 / math.sqrt(head_dim), dropout_p, seed,
+        HAS_VALID_LENS=counts is not None, IS_VARLEN=cu_seqlens is not None,
+        HAS_DROPOUT=dropout_p > 0.0, DOT_PRECISION=precision,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=block_d,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
+def _launch_bwd(grad_out, qkv, out, lse, dqkv, counts, cu_seqlens, batch, num_heads, head_dim,
+                max_seqlen, dropout_p, seed):
+    block_d, _, dkdv_tiles, dq_tiles, precision = _launch_config(qkv, head_dim, batch, num_heads)
+    if max_seqlen == 0 or batch == 0:
+        return
+    lse = lse.contiguous()    # delta takes its layout, and the kernels read both with lse's strides
+    delta = torch.empty_like(lse, dtype=torch.float32)
+    launch(_attention_bwd_preprocess_kernel)[(triton.cdiv(max_seqlen, dq_tiles.block_m), batch * num_heads)](
+        out, grad_out, delta, cu_seqlens, *_strides(out), *_strides(grad_out), *_strides(delta),
+        num_heads, head_dim, max_seqlen,
+        IS_VARLEN=cu_seqlens is not None, BLOCK_M=dq_tiles.block_m, BLOCK_D=block_d,
+        num_warps=dq_tiles.num_warps)
+    args = (qkv, grad_out, lse, delta, dqkv, counts, cu_seqlens,
+            *_strides(qkv), *_strides(grad_out), *_strides(dqkv), *_strides(lse),
+            *(counts.stride() if counts is not None else (0, 0)),
+            num_heads, head_dim, max_seqlen, 1.0 / math.sqrt(head_dim), dropout_p, seed)
+    flags = dict(HAS_VALID_LENS=counts is not None, IS_VARLEN=cu_seqlens is not None,
+                 HAS_DROPOUT=dropout_p > 0.0, DOT_PRECISION=precision, BLOCK_D=block_d)
+    for kernel, tiles, blocks in ((_attention_bwd_dkdv_kernel, dkdv_tiles, dkdv_tiles.block_n),
+                                  (_attention_bwd_dq_kernel, dq_tiles, dq_tiles.block_m)):
+        launch(kernel)[(triton.cdiv(max_seqlen, blocks), batch * num_heads)](
+            *args, **flags, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
+def _attention_fwd_triton(qkv, valid_lens, num_heads, dropout_p, seed):
+    """(B, L, 3H) packed projection -> context (B, L, H) and fp64 LSE (B, heads, L)."""
+    head_dim = _check_attention_inputs(qkv, valid_lens, num_heads, dropout_p)
+    require_triton(qkv, valid_lens)
+    batch, seqlen, _ = qkv.shape
+    out = qkv.new_empty(batch, seqlen, num_heads * head_dim)
+    lse = torch.empty(batch, num_heads, seqlen, dtype=torch.float64, device=qkv.device)
+    counts = None if valid_lens is None else _visible_key_counts(valid_lens, batch, seqlen)
+    _launch_fwd(qkv, out, lse, counts, None, batch, num_heads, head_dim, seqlen, dropout_p, seed)
+    return out, lse
+
+
+def _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed):
+    """Gradient of the packed projection, (B, L, 3H), from the forward's context and LSE."""
+    head_dim = _check_attention_inputs(qkv, valid_lens, num_heads, dropout_p)
+    batch, seqlen, _ = qkv.shape
+    _check_bwd_inputs(grad_out, out, lse, qkv, num_heads, head_dim, (batch, num_heads, seqlen))
+    require_triton(grad_out, qkv, out, lse, valid_lens)
+    dqkv = torch.empty_like(qkv, memory_format=torch.contiguous_format)
+    counts = None if valid_lens is None else _visible_key_counts(valid_lens, batch, seqlen)
+    _launch_bwd(grad_out, qkv, out, lse, dqkv, counts, None, batch, num_heads, head_dim, seqlen,
+                dropout_p, seed)
+    return dqkv
+
+
+def _varlen_attention_fwd_triton(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed):
+    """(N, 3H) packed valid tokens -> context (N, H) and fp64 LSE (heads, N).
+
+    ``max_seqlen`` must be >= every sequence's length (the padded L); ``cu_seqlens[-1] == N``.
+    """
+    head_dim = _check_varlen_inputs(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p)
+    require_triton(qkv, cu_seqlens)
+    num_tokens = qkv.shape[0]
+    # Zeros: rows that belong to no sequence are never written.
+    out = qkv.new_zeros(num_tokens, num_heads * head_dim)
+    lse = torch.zeros(num_heads, num_tokens, dtype=torch.float64, device=qkv.device)
+    _launch_fwd(qkv, out, lse, None, cu_seqlens.contiguous(), cu_seqlens.shape[0] - 1, num_heads, head_dim,
+                max_seqlen, dropout_p, seed)
+    return out, lse
+
+
+def _varlen_attention_bwd_triton(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed):
+    """Gradient of the packed valid tokens' projection, (N, 3H)."""
+    head_dim = _check_varlen_inputs(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p)
+    _check_bwd_inputs(grad_out, out, lse, qkv, num_heads, head_dim, (num_heads, qkv.shape[0]))
+    require_triton(grad_out, qkv, out, lse, cu_seqlens)
+    dqkv = torch.zeros(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+    _launch_bwd(grad_out, qkv, out, lse, dqkv, None, cu_seqlens.contiguous(), cu_seqlens.shape[0] - 1, num_heads,
+                head_dim, max_seqlen, dropout_p, seed)
+    return dqkv
+
+
+def _attention_dropout_keep_triton(batch, num_heads, max_seqlen, dropout_p, seed, device):
+    """The keep mask (B, heads, L, L) the kernels apply for this seed: lets tests rebuild it."""
+    keep = torch.empty(batch, num_heads, max_seqlen, max_seqlen, dtype=torch.int8, device=device)
+    require_triton(keep)
+    block_m = block_n = 16 if interpreting() else 64
+    grid = (triton.cdiv(max_seqlen, block_m), triton.cdiv(max_seqlen, block_n), batch * num_heads)
+    launch(_attention_dropout_keep_kernel)[grid](keep, max_seqlen, dropout_p, seed,
+                                                 BLOCK_M=block_m, BLOCK_N=block_n)
+    return keep.view(torch.bool)
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU twins: the same ops in plain PyTorch (explicit math, at least fp32)
+# ----------------------------------------------------------------------------------------------
+
+def _split_heads_cpu(qkv, num_heads):
+    """(B, L, 3H) -> q, k, v each (B, heads, L, d), computed in at least fp32."""
+    compute_dtype = torch.promote_types(qkv.dtype, torch.float32)
+    return qkv.to(compute_dtype).unflatten(-1, (3, num_heads, -1)).permute(2, 0, 3, 1, 4)
+
+
+def _merge_heads_cpu(x):
+    return x.transpose(1, 2).flatten(2)
+
+
+def _attention_weights_cpu(q, k, valid_lens, dropout_p, seed):
+    """Scores with the reference's replacement, softmax, the visible mask and the dropout factor."""
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    visible = None
+    if valid_lens is not None:
+        keys = torch.arange(k.shape[2], dtype=torch.float32, device=k.device)
+        lengths = valid_lens[:, None, None, None] if valid_lens.dim() == 1 else valid_lens[:, None, :, None]
+        visible = keys < lengths                                   # (B, 1, 1 or L, L)
+        scores = scores.masked_fill(~visible, MASK_VALUE)
+    probs = torch.softmax(scores, dim=-1)
+    dropout_scale = None
+    if dropout_p > 0.0:
+        # Its own generator: the same mask in forward and backward, the default one untouched.
+        # (A draw needs concrete sizes: this twin does not trace with symbolic shapes.)
+        uniform = torch.rand(probs.shape, generator=torch.Generator().manual_seed(seed))
+        dropout_scale = (uniform >= dropout_p).to(probs.dtype) / (1.0 - dropout_p)
+    return scores, probs, visible, dropout_scale
+
+
+def _attention_fwd_cpu(qkv, valid_lens, num_heads, dropout_p, seed):
+    _check_attention_inputs(qkv, valid_lens, num_heads, dropout_p, _CPU_DTYPES)
+    q, k, v = _split_heads_cpu(qkv, num_heads)
+    scores, probs, _, dropout_scale = _attention_weights_cpu(q, k, valid_lens, dropout_p, seed)
+    weights = probs if dropout_scale is None else probs * dropout_scale
+    out = _merge_heads_cpu(weights @ v).to(qkv.dtype)
+    return out, torch.logsumexp(scores.double(), dim=-1)
+
+
+def _attention_bwd_cpu(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed):
+    """Exact: recomputes the softmax from the scores (the LSE is only the kernels' shortcut)."""
+    head_dim = _check_attention_inputs(qkv, valid_lens, num_heads, dropout_p, _CPU_DTYPES)
+    _check_bwd_inputs(grad_out, out, lse, qkv, num_heads, head_dim, (qkv.shape[0], num_heads, qkv.shape[1]))
+    q, k, v = _split_heads_cpu(qkv, num_heads)
+    _, probs, visible, dropout_scale = _attention_weights_cpu(q, k, valid_lens, dropout_p, seed)
+    dout = grad_out.to(q.dtype).unflatten(-1, (num_heads, -1)).transpose(1, 2)
+    weights = probs if dropout_scale is None else probs * dropout_scale
+    dweights = dout @ v.transpose(-1, -2)
+    dprobs = dweights if dropout_scale is None else dweights * dropout_scale
+    dscores = probs * (dprobs - (probs * dprobs).sum(-1, keepdim=True))
+    if visible is not None:
+        dscores = dscores.masked_fill(~visible, 0.0)     # replaced scores are constants
+    scale = 1.0 / math.sqrt(head_dim)
+    grads = (dscores @ k * scale, dscores.transpose(-1, -2) @ q * scale, weights.transpose(-1, -2) @ dout)
+    return torch.cat([_merge_heads_cpu(g) for g in grads], dim=-1).to(qkv.dtype)
+
+
+def _padded_rows_cpu(cu_seqlens, num_tokens, max_seqlen):
+    """Row of each packed token in the (B * max_seqlen) padded layout, without a host sync."""
+    tokens = torch.arange(num_tokens, dtype=torch.int32, device=cu_seqlens.device)
+    sequence = torch.searchsorted(cu_seqlens[1:], tokens, right=True)
+    return sequence * max_seqlen + (tokens - cu_seqlens[sequence])
+
+
+def _padded_cpu(x, rows, batch, max_seqlen):
+    padded = x.new_zeros(batch * max_seqlen, x.shape[-1]).index_copy(0, rows, x)
+    return padded.unflatten(0, (batch, max_seqlen))
+
+
+def _varlen_attention_fwd_cpu(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed):
+    """Through the padded twin: sequence b sees its cu_seqlens[b+1] - cu_seqlens[b] keys."""
+    _check_varlen_inputs(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, _CPU_DTYPES)
+    batch = cu_seqlens.shape[0] - 1
+    rows = _padded_rows_cpu(cu_seqlens, qkv.shape[0], max_seqlen)
+    out, lse = _attention_fwd_cpu(_padded_cpu(qkv, rows, batch, max_seqlen), cu_seqlens.diff(),
+                                  num_heads, dropout_p, seed)
+    return out.flatten(0, 1)[rows], lse.transpose(0, 1).flatten(1)[:, rows]
+
+
+def _varlen_attention_bwd_cpu(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed):
+    head_dim = _check_varlen_inputs(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, _CPU_DTYPES)
+    _check_bwd_inputs(grad_out, out, lse, qkv, num_heads, head_dim, (num_heads, qkv.shape[0]))
+    batch = cu_seqlens.shape[0] - 1
+    rows = _padded_rows_cpu(cu_seqlens, qkv.shape[0], max_seqlen)
+    padded_qkv = _padded_cpu(qkv, rows, batch, max_seqlen)
+    padded_out, padded_lse = _attention_fwd_cpu(padded_qkv, cu_seqlens.diff(), num_heads, dropout_p, seed)
+    dqkv = _attention_bwd_cpu(_padded_cpu(grad_out, rows, batch, max_seqlen), padded_qkv, padded_out,
+                              padded_lse, cu_seqlens.diff(), num_heads, dropout_p, seed)
+    return dqkv.flatten(0, 1)[rows]
+
+
+# ----------------------------------------------------------------------------------------------
+# Registered ops (CUDA: Triton kernels; CPU: the twins) and their autograd
+# ----------------------------------------------------------------------------------------------
+
+@triton_op("bert_fast::attention_fwd", mutates_args=())
+def attention_fwd(qkv: torch.Tensor, valid_lens: torch.Tensor | None, num_heads: int, dropout_p: float,
+                  seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Self-attention of a packed (B, L, 3H) projection -> (context (B, L, H), fp64 LSE (B, heads, L))."""
+    if qkv.device.type == "cpu":
+        return _attention_fwd_cpu(qkv, valid_lens, num_heads, dropout_p, seed)
+    return _attention_fwd_triton(qkv, valid_lens, num_heads, dropout_p, seed)
+
+
+@triton_op("bert_fast::attention_bwd", mutates_args=())
+def attention_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                  valid_lens: torch.Tensor | None, num_heads: int, dropout_p: float, seed: int) -> torch.Tensor:
+    """Gradient (B, L, 3H) of the packed projection."""
+    if qkv.device.type == "cpu":
+        return _attention_bwd_cpu(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed)
+    return _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed)
+
+
+@triton_op("bert_fast::varlen_attention_fwd", mutates_args=())
+def varlen_attention_fwd(qkv: torch.Tensor, cu_seqlens: torch.Tensor, num_heads: int, max_seqlen: int,
+                         dropout_p: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Self-attention within each sequence of packed (N, 3H) tokens -> ((N, H), fp64 LSE (heads, N))."""
+    if qkv.device.type == "cpu":
+        return _varlen_attention_fwd_cpu(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
+    return _varlen_attention_fwd_triton(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
+
+
+@triton_op("bert_fast::varlen_attention_bwd", mutates_args=())
+def varlen_attention_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                         cu_seqlens: torch.Tensor, num_heads: int, max_seqlen: int, dropout_p: float,
+                         seed: int) -> torch.Tensor:
+    """Gradient (N, 3H) of the packed valid tokens' projection."""
+    if qkv.device.type == "cpu":
+        return _varlen_attention_bwd_cpu(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
+    return _varlen_attention_bwd_triton(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
+
+
+def _attention_setup_context(ctx, inputs, output):
+    qkv, valid_lens, ctx.num_heads, ctx.dropout_p, ctx.seed = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(qkv, valid_lens, out, lse)
+
+
+def _attention_backward(ctx, grad_out, grad_lse):
+    qkv, valid_lens, out, lse = ctx.saved_tensors
+    dqkv = attention_bwd(grad_out, qkv, out, lse, valid_lens, ctx.num_heads, ctx.dropout_p, ctx.seed)
+    return dqkv, None, None, None, None
+
+
+def _varlen_attention_setup_context(ctx, inputs, output):
+    qkv, cu_seqlens, ctx.num_heads, ctx.max_seqlen, ctx.dropout_p, ctx.seed = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(qkv, cu_seqlens, out, lse)
+
+
+def _varlen_attention_backward(ctx, grad_out, grad_lse):
+    qkv, cu_seqlens, out, lse = ctx.saved_tensors
+    dqkv = varlen_attention_bwd(grad_out, qkv, out, lse, cu_seqlens, ctx.num_heads, ctx.max_seqlen,
+                                ctx.dropout_p, ctx.seed)
+    return dqkv, None, None, None, None, None
+
+
+attention_fwd.register_autograd(_attention_backward, setup_context=_attention_setup_context)
+varlen_attention_fwd.register_autograd(_varlen_attention_backward, setup_context=_varlen_attention_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public functions (what the modules call)
+# ----------------------------------------------------------------------------------------------
+
+def _uses_triton(backend):
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
+    return backend == "triton"
+
+
+def _dropout_seed(dropout_p):
+    """A seed from torch's default CPU generator (no GPU sync), so torch.manual_seed repeats runs."""
+    return int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0.0 else 0
+
+
+def packed_self_attention(qkv, num_heads, valid_lens=None, dropout_p=0.0, *, backend="torch"):
     """Self-attention reading Q, K, V straight from a (B, L, 3H) packed projection."""
+    if _uses_triton(backend):
+        return attention_fwd(qkv, valid_lens, num_heads, float(dropout_p), _dropout_seed(dropout_p))[0]
     q, k, v = qkv.chunk(3, dim=-1)
     return attention(q, k, v, num_heads, valid_lens, dropout_p)
 
 
 def unpadded_self_attention(qkv, num_heads, unpadding, valid_lens, dropout_p=0.0, *,
-                            per_sequence=None):
+                            per_sequence=None, backend="torch"):
     """Self-attention over packed valid tokens: (N, 3H) -> (N, H), for skip_padding.
 
     Every query of a sequence is valid and sees exactly its sequence's valid keys, so each
-    sequence is plain unmasked attention over its own tokens. On the CPU we run it that way,
-    one SDPA call per sequence (no padding copies, no masked work). Elsewhere one call over
-    the re-padded (B, L) layout with the key mask keeps the launch count independent of B.
-    ``per_sequence`` forces one or the other.
+    sequence is plain unmasked attention over its own tokens. The triton backend runs that as
+    one varlen launch over ``unpadding.cu_seqlens``, bounded by the padded length (``valid_lens``
+    is already applied by the unpadding). On the torch backend, on the CPU we run it one SDPA
+    call per sequence (no padding copies, no masked work); elsewhere one call over the
+    re-padded (B, L) layout with the key mask keeps the launch count independent of B.
+    ``per_sequence`` forces one or the other (torch backend only).
     """
+    if _uses_triton(backend):
+        return varlen_attention_fwd(qkv, unpadding.cu_seqlens, num_heads, unpadding.seqlen,
+                                    float(dropout_p), _dropout_seed(dropout_p))[0]
     hidden = qkv.shape[-1] // 3
     if per_sequence is None:
         per_sequence = qkv.device.type == "cpu"

@@ -1,0 +1,483 @@
+"""The Triton attention op: kernels (interpreter on CPU, native on CUDA), CPU twins, registration.
+
+References: the book's math (``reference.sequence_mask`` + softmax) in fp64 on the packed
+projection, and the torch path (``backend="torch"``) at the kernel's precision for the error
+baseline of the STYLE.md rule.
+"""
+
+import math
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from bert_fast import ops
+from bert_fast import reference as R
+from bert_fast.ops._triton import HAS_TRITON, interpreting
+from bert_fast.ops.attention import (_attention_bwd_triton, _attention_dropout_keep_triton,
+                                     _attention_fwd_triton, _attention_tiles, _varlen_attention_bwd_triton,
+                                     _varlen_attention_fwd_triton, attention_bwd, attention_fwd,
+                                     varlen_attention_bwd, varlen_attention_fwd)
+from tests.helpers import FLOOR, assert_close, max_err
+
+needs_triton = pytest.mark.skipif(
+    not (HAS_TRITON and (torch.cuda.is_available() or interpreting())),
+    reason="Triton kernels need CUDA, or TRITON_INTERPRET=1 on the CPU (the root conftest sets it without CUDA)")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="real sizes: GPU only")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP32_EPS = torch.finfo(torch.float32).eps
+
+
+def reference(qkv, num_heads, valid_lens=None, keep=None, dropout_p=0.0):
+    """The book's attention on a packed (B, L, 3H) projection, in qkv's dtype.
+
+    Returns (context (B, L, H), LSE (B, heads, L)); ``keep`` (B, heads, L, L) applies dropout.
+    """
+    batch, seqlen, _ = qkv.shape
+    q, k, v = (R.transpose_qkv(x, num_heads) for x in qkv.chunk(3, dim=-1))
+    scores = torch.bmm(q, k.transpose(1, 2)) / math.sqrt(q.shape[-1])
+    if valid_lens is not None:       # what masked_softmax does, keeping the masked scores for the LSE
+        lengths = torch.repeat_interleave(valid_lens.to(qkv.device), num_heads, dim=0)
+        lengths = torch.repeat_interleave(lengths, seqlen) if lengths.dim() == 1 else lengths.reshape(-1)
+        scores = R.sequence_mask(scores.reshape(-1, seqlen), lengths, R.MASK_VALUE).reshape(scores.shape)
+    weights = F.softmax(scores, dim=-1)
+    if keep is not None:
+        weights = weights * keep.flatten(0, 1).to(weights.dtype) / (1.0 - dropout_p)
+    out = R.transpose_output(torch.bmm(weights, v), num_heads)
+    return out, torch.logsumexp(scores, dim=-1).unflatten(0, (batch, num_heads))
+
+
+def reference_with_grad(qkv, grad_out, num_heads, valid_lens=None, keep=None, dropout_p=0.0, dtype=torch.float64):
+    """Reference context, LSE and d(qkv) computed in ``dtype``."""
+    x = qkv.detach().to(dtype).requires_grad_()
+    out, lse = reference(x, num_heads, valid_lens, keep, dropout_p)
+    (dqkv,) = torch.autograd.grad(out, x, grad_out.to(dtype))
+    return out, lse, dqkv
+
+
+def assert_rule(actual, expected, baseline, dtype, what):
+    """STYLE.md: error vs the fp64 reference <= 2x the error of PyTorch at ``dtype`` + floor."""
+    err, base = max_err(actual, expected), max_err(baseline, expected)
+    bound = 2 * base + FLOOR[dtype]
+    assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g} (PyTorch {dtype} error {base:.3g})"
+
+
+def assert_lse(actual, expected, what="lse"):
+    """LSE to fp32 accuracy relative to its size: a row that sees no key has LSE -1e6 + log L,
+    and the kernels' masked score is the fp32 number nearest to -1e6 * log2(e)."""
+    assert actual.dtype == torch.float64, f"{what}: dtype {actual.dtype}"
+    bound = FLOOR[torch.float32] + 2 * FP32_EPS * expected.double().abs()
+    excess = (actual.double() - expected.double()).abs() - bound
+    assert excess.max() <= 0, f"{what}: max error {max_err(actual, expected):.3g}, exceeds bound by {excess.max():.3g}"
+
+
+def random_qkv(batch, seqlen, num_heads, head_dim, dtype=torch.float32, device=DEVICE):
+    return torch.randn(batch, seqlen, 3 * num_heads * head_dim, dtype=dtype, device=device)
+
+
+VALID_LENS_CASES = {
+    "none": None,
+    "int": torch.tensor([13, 20]),
+    "float": torch.tensor([4.0, 16.0]),
+    "fractional": torch.tensor([2.5, 19.01]),
+    "zero": torch.tensor([0, 0]),
+    "negative": torch.tensor([-3.0, 7.0]),
+    "beyond_L": torch.tensor([21, 1000]),
+    "2d_int": torch.randint(-2, 24, (2, 20), generator=torch.Generator().manual_seed(1)),
+    "2d_fractional": torch.rand(2, 20, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 24 - 2,
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels vs the reference (interpreter on CPU; the same tests run natively on CUDA)
+# ----------------------------------------------------------------------------------------------
+
+@needs_triton
+@pytest.mark.parametrize("case", list(VALID_LENS_CASES))
+def test_forward_and_backward_match_reference(case):
+    valid_lens = VALID_LENS_CASES[case]
+    valid_lens = None if valid_lens is None else valid_lens.to(DEVICE)
+    qkv = random_qkv(2, 20, 2, 16)                       # L = 20 crosses the interpreter's 16-blocks
+    grad_out = torch.randn(2, 20, 32, device=DEVICE)
+    out, lse = _attention_fwd_triton(qkv, valid_lens, 2, 0.0, 0)
+    dqkv = _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, 2, 0.0, 0)
+    out64, lse64, dqkv64 = reference_with_grad(qkv, grad_out, 2, valid_lens)
+    out32, _, dqkv32 = reference_with_grad(qkv, grad_out, 2, valid_lens, dtype=torch.float32)
+    assert out.dtype == qkv.dtype and out.shape == (2, 20, 32) and lse.shape == (2, 2, 20)
+    assert_rule(out, out64, out32, torch.float32, "context")
+    assert_lse(lse, lse64)
+    assert dqkv.shape == qkv.shape
+    assert_rule(dqkv, dqkv64, dqkv32, torch.float32, "dqkv")
+
+
+@needs_triton
+def test_row_that_sees_no_key_is_uniform_and_only_feeds_dv():
+    # Sequence 0 sees nothing (uniform over all 17 keys, across two key blocks); sequence 1 is normal.
+    qkv = random_qkv(2, 17, 1, 16)
+    valid_lens = torch.tensor([0.0, 5.0], device=DEVICE)
+    out, lse = _attention_fwd_triton(qkv, valid_lens, 1, 0.0, 0)
+    v = qkv[0, :, 32:]
+    assert_close(out[0], v.mean(0).expand(17, 16), atol=1e-5, what="uniform row")
+    grad_out = torch.randn(2, 17, 16, device=DEVICE)
+    dqkv = _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, 1, 0.0, 0)
+    assert torch.count_nonzero(dqkv[0, :, :32]) == 0, "dQ and dK of a row that sees no key must be zero"
+    assert_close(dqkv[0, :, 32:], (grad_out[0].sum(0) / 17).expand(17, 16), atol=1e-5, what="dV of uniform rows")
+
+
+@needs_triton
+@pytest.mark.parametrize("batch, seqlen, num_heads, head_dim, valid_lens", [
+    (1, 17, 1, 80, [11.0]),          # head dim not a power of two, L not a multiple of the block
+    (1, 1, 2, 32, None),             # one token
+    (3, 5, 2, 96, [[1, 0, 5, 2, 9], [3, 3, 3, 3, 3], [-1, 2, 2, 2, 4]]),
+], ids=["d80-L17", "L1", "d96-2d"])
+def test_odd_shapes(batch, seqlen, num_heads, head_dim, valid_lens):
+    valid_lens = None if valid_lens is None else torch.tensor(valid_lens, device=DEVICE)
+    qkv = random_qkv(batch, seqlen, num_heads, head_dim)
+    grad_out = torch.randn(batch, seqlen, num_heads * head_dim, device=DEVICE)
+    out, lse = _attention_fwd_triton(qkv, valid_lens, num_heads, 0.0, 0)
+    dqkv = _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, num_heads, 0.0, 0)
+    out64, lse64, dqkv64 = reference_with_grad(qkv, grad_out, num_heads, valid_lens)
+    out32, _, dqkv32 = reference_with_grad(qkv, grad_out, num_heads, valid_lens, dtype=torch.float32)
+    assert_rule(out, out64, out32, torch.float32, "context")
+    assert_lse(lse, lse64)
+    assert_rule(dqkv, dqkv64, dqkv32, torch.float32, "dqkv")
+
+
+@needs_triton
+def test_strided_inputs():
+    # qkv as a (L, B, 3H + 8) buffer seen as (B, L, 3H); grad_out expanded (stride 0 over rows).
+    buffer = torch.randn(18, 2, 3 * 2 * 16 + 8, device=DEVICE)
+    qkv = buffer.transpose(0, 1)[..., 8:]
+    grad_out = torch.randn(2, 1, 32, device=DEVICE).expand(2, 18, 32)
+    valid_lens = torch.tensor([7, 18], device=DEVICE)
+    out, lse = _attention_fwd_triton(qkv, valid_lens, 2, 0.0, 0)
+    dqkv = _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, 2, 0.0, 0)
+    out_c, lse_c = _attention_fwd_triton(qkv.contiguous(), valid_lens, 2, 0.0, 0)
+    dqkv_c = _attention_bwd_triton(grad_out.contiguous(), qkv.contiguous(), out_c, lse_c, valid_lens, 2, 0.0, 0)
+    assert_close(out, out_c, atol=0.0, what="context from strided qkv")
+    assert_close(dqkv, dqkv_c, atol=0.0, what="dqkv from strided qkv and grad_out")
+
+
+@needs_triton
+def test_fp16_within_rule_of_fp32_reference():
+    qkv = random_qkv(2, 19, 2, 32, dtype=torch.float16)
+    valid_lens = torch.tensor([0.0, 12.5], device=DEVICE)
+    grad_out = torch.randn(2, 19, 64, device=DEVICE, dtype=torch.float16)
+    out, lse = _attention_fwd_triton(qkv, valid_lens, 2, 0.0, 0)
+    dqkv = _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, 2, 0.0, 0)
+    assert out.dtype == dqkv.dtype == torch.float16 and lse.dtype == torch.float64
+    out64, lse64, dqkv64 = reference_with_grad(qkv, grad_out, 2, valid_lens)
+    # Baseline: the torch path at fp16 (the book's math itself is NaN there: -1e6 is -inf in fp16).
+    x = qkv.detach().requires_grad_()
+    out16 = ops.packed_self_attention(x, 2, valid_lens)
+    (dqkv16,) = torch.autograd.grad(out16, x, grad_out)
+    assert_rule(out, out64, out16, torch.float16, "fp16 context")
+    assert_lse(lse, lse64)
+    assert_rule(dqkv, dqkv64, dqkv16, torch.float16, "fp16 dqkv")
+
+
+@needs_triton
+def test_varlen_matches_padded():
+    # A zero-length sequence, and max_seqlen (the padded L) above the longest sequence.
+    seqlen, valid_lens = 17, torch.tensor([5.0, 0.0, 13.0], device=DEVICE)
+    unpadding = ops.unpadding_for(valid_lens, seqlen)
+    qkv = random_qkv(3, seqlen, 2, 16)
+    grad_packed = torch.randn(unpadding.indices.numel(), 32, device=DEVICE)
+    out, lse = _attention_fwd_triton(qkv, valid_lens, 2, 0.0, 0)
+    dqkv = _attention_bwd_triton(ops.pad(grad_packed, unpadding), qkv, out, lse, valid_lens, 2, 0.0, 0)
+    packed = ops.unpad(qkv, unpadding)
+    out_v, lse_v = _varlen_attention_fwd_triton(packed, unpadding.cu_seqlens, 2, seqlen, 0.0, 0)
+    dqkv_v = _varlen_attention_bwd_triton(grad_packed, packed, out_v, lse_v, unpadding.cu_seqlens, 2, seqlen, 0.0, 0)
+    assert out_v.shape == (18, 32) and lse_v.shape == (2, 18) and dqkv_v.shape == packed.shape
+    assert_close(out_v, ops.unpad(out, unpadding), atol=1e-6, what="varlen context")
+    assert_close(lse_v, lse.transpose(1, 2).flatten(0, 1)[unpadding.indices].T, atol=1e-6, what="varlen lse")
+    assert_close(dqkv_v, ops.unpad(dqkv, unpadding), atol=1e-6, what="varlen dqkv")
+
+
+# ----------------------------------------------------------------------------------------------
+# Dropout
+# ----------------------------------------------------------------------------------------------
+
+@needs_triton
+def test_dropout_mask_keep_rate_and_seeds():
+    keep = _attention_dropout_keep_triton(2, 2, 48, 0.3, 1234, DEVICE)
+    assert keep.shape == (2, 2, 48, 48) and keep.dtype == torch.bool
+    rate = keep.float().mean().item()
+    assert abs(rate - 0.7) < 0.02, f"keep rate {rate:.4f}, expected 0.7"       # ~5 sigma at n = 9216
+    assert torch.equal(keep, _attention_dropout_keep_triton(2, 2, 48, 0.3, 1234, DEVICE)), "same seed, same mask"
+    assert not torch.equal(keep, _attention_dropout_keep_triton(2, 2, 48, 0.3, 1235, DEVICE))
+    assert not torch.equal(keep[0, 0], keep[0, 1]) and not torch.equal(keep[0, 0], keep[1, 0]), \
+        "every (batch, head) needs its own stream"
+
+
+@needs_triton
+def test_dropout_forward_and_backward_use_one_mask():
+    p, seed = 0.3, 77
+    qkv = random_qkv(2, 19, 2, 16)
+    valid_lens = torch.tensor([0.0, 11.5], device=DEVICE)
+    grad_out = torch.randn(2, 19, 32, device=DEVICE)
+    out, lse = _attention_fwd_triton(qkv, valid_lens, 2, p, seed)
+    dqkv = _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, 2, p, seed)
+    keep = _attention_dropout_keep_triton(2, 2, 19, p, seed, DEVICE)
+    out64, lse64, dqkv64 = reference_with_grad(qkv, grad_out, 2, valid_lens, keep, p)
+    # Scaled by 1/(1-p) and masked exactly as `keep` says, in forward and backward.
+    assert_close(out, out64, atol=1e-5, what="dropout context")
+    assert_lse(lse, lse64)
+    assert_close(dqkv, dqkv64, atol=1e-5, what="dropout dqkv")
+    again, _ = _attention_fwd_triton(qkv, valid_lens, 2, p, seed)
+    assert torch.equal(out, again), "same seed must repeat"
+    other, _ = _attention_fwd_triton(qkv, valid_lens, 2, p, seed + 1)
+    assert max_err(other, out) > 1e-2, "another seed must drop other weights"
+
+
+@needs_triton
+def test_varlen_dropout_matches_padded_dropout():
+    # The mask is indexed by (batch, head, query, key) within the padded L: both layouts agree.
+    p, seed, seqlen = 0.25, 5, 17
+    valid_lens = torch.tensor([9.0, 17.0], device=DEVICE)
+    unpadding = ops.unpadding_for(valid_lens, seqlen)
+    qkv = random_qkv(2, seqlen, 2, 16)
+    out, _ = _attention_fwd_triton(qkv, valid_lens, 2, p, seed)
+    out_v, _ = _varlen_attention_fwd_triton(ops.unpad(qkv, unpadding), unpadding.cu_seqlens, 2, seqlen, p, seed)
+    assert_close(out_v, ops.unpad(out, unpadding), atol=1e-6, what="varlen dropout context")
+
+
+def test_cpu_twin_dropout_uses_its_seeded_mask_in_forward_and_backward():
+    p, seed = 0.4, 99
+    qkv = torch.randn(2, 6, 12, dtype=torch.float64, requires_grad=True)
+    valid_lens = torch.tensor([[1, 0, 6, 2.5, 3, 4], [6, 6, 6, 6, 6, 6]])
+    out, _ = attention_fwd(qkv, valid_lens, 2, p, seed)
+    grad_out = torch.randn_like(out)
+    (dqkv,) = torch.autograd.grad(out, qkv, grad_out)
+    keep = torch.rand(2, 2, 6, 6, generator=torch.Generator().manual_seed(seed)) >= p
+    out64, _, dqkv64 = reference_with_grad(qkv, grad_out, 2, valid_lens, keep, p)
+    assert_close(out, out64, atol=1e-12, what="twin dropout context")
+    assert_close(dqkv, dqkv64, atol=1e-12, what="twin dropout dqkv")
+
+
+def test_public_dropout_repeats_under_manual_seed():
+    qkv = torch.randn(2, 8, 12)
+    torch.manual_seed(3)
+    first = ops.packed_self_attention(qkv, 2, None, 0.5, backend="triton")
+    torch.manual_seed(3)
+    assert torch.equal(first, ops.packed_self_attention(qkv, 2, None, 0.5, backend="triton"))
+    assert not torch.equal(first, ops.packed_self_attention(qkv, 2, None, 0.5, backend="triton"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Registered ops (CPU twins), gradcheck, public API
+# ----------------------------------------------------------------------------------------------
+
+# A torch.Generator draw needs concrete sizes, so the twins with dropout skip the dynamic-shape test.
+STATIC_ONLY = ("test_schema", "test_autograd_registration", "test_faketensor")
+
+
+@pytest.mark.parametrize("valid_lens, dropout_p", [
+    (None, 0.0), (torch.tensor([0, 3.5]), 0.0), (torch.tensor([[1, 0, 5, 2, 9], [3, 3, 3, 3, 3]]), 0.0),
+    (torch.tensor([4, 2]), 0.2),
+], ids=["none", "1d", "2d", "dropout"])
+def test_opcheck_padded(valid_lens, dropout_p):
+    test_utils = STATIC_ONLY if dropout_p else torch.library._OPCHECK_DEFAULT_UTILS
+    qkv = torch.randn(2, 5, 12, requires_grad=True)
+    torch.library.opcheck(attention_fwd, (qkv, valid_lens, 2, dropout_p, 7), test_utils=test_utils)
+    out, lse = attention_fwd(qkv.detach(), valid_lens, 2, dropout_p, 7)
+    torch.library.opcheck(attention_bwd, (torch.randn_like(out), qkv.detach(), out, lse, valid_lens, 2, dropout_p, 7),
+                          test_utils=test_utils)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_opcheck_varlen(dropout_p):
+    test_utils = STATIC_ONLY if dropout_p else torch.library._OPCHECK_DEFAULT_UTILS
+    cu_seqlens = torch.tensor([0, 2, 2, 7], dtype=torch.int32)
+    qkv = torch.randn(7, 12, requires_grad=True)
+    torch.library.opcheck(varlen_attention_fwd, (qkv, cu_seqlens, 2, 6, dropout_p, 3), test_utils=test_utils)
+    out, lse = varlen_attention_fwd(qkv.detach(), cu_seqlens, 2, 6, dropout_p, 3)
+    torch.library.opcheck(varlen_attention_bwd, (torch.randn_like(out), qkv.detach(), out, lse, cu_seqlens, 2, 6,
+                                                 dropout_p, 3), test_utils=test_utils)
+
+
+def test_gradcheck_through_public_functions():
+    qkv = torch.randn(2, 5, 18, dtype=torch.float64, requires_grad=True)
+    valid_lens = torch.tensor([[0, 1, 2.5, 9, -1], [5, 5, 0, 1, 3]])
+    assert torch.autograd.gradcheck(lambda x: ops.packed_self_attention(x, 2, valid_lens, backend="triton"), (qkv,))
+    unpadding = ops.unpadding_for(torch.tensor([2.5, 0.0, 4.0]), 4)
+    packed = torch.randn(unpadding.indices.numel(), 18, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda x: ops.unpadded_self_attention(x, 2, unpadding, None, backend="triton"), (packed,))
+
+
+@pytest.mark.parametrize("valid_lens", [None, torch.tensor([3, 0, 9]), torch.tensor([[1, 2, 3, 0, 9, 9, 9, 9, 9]] * 3)],
+                         ids=["none", "1d", "2d"])
+def test_public_backends_agree(valid_lens):
+    qkv = torch.randn(3, 9, 24, requires_grad=True)
+    grad_out = torch.randn(3, 9, 8)
+    expected = ops.packed_self_attention(qkv, 2, valid_lens)
+    out = ops.packed_self_attention(qkv, 2, valid_lens, backend="triton")
+    assert_close(out, expected, atol=1e-5)
+    (grad_expected,), (grad,) = (torch.autograd.grad(y, qkv, grad_out) for y in (expected, out))
+    assert_close(grad, grad_expected, atol=1e-5, what="dqkv")
+    if valid_lens is not None and valid_lens.dim() == 1:
+        unpadding = ops.unpadding_for(valid_lens, 9)
+        packed = ops.unpad(qkv.detach(), unpadding)
+        assert_close(ops.unpadded_self_attention(packed, 2, unpadding, valid_lens, backend="triton"),
+                     ops.unpadded_self_attention(packed, 2, unpadding, valid_lens), atol=1e-5, what="unpadded")
+
+
+def test_tiles_for_every_head_dim_and_dtype():
+    for head_dim in range(1, 257):
+        for element_size in (2, 4):
+            block_d, *tiles = _attention_tiles(head_dim, element_size, interpreter=False)
+            assert block_d >= max(head_dim, 16) and block_d & (block_d - 1) == 0, (head_dim, block_d)
+            for t in tiles:
+                for block in (t.block_m, t.block_n):
+                    assert block >= 16 and block & (block - 1) == 0, (head_dim, element_size, tiles)
+    # Larger head dims and fp32 take smaller tiles (registers, shared memory).
+    area = lambda t: t.block_m * t.block_n
+    for kernel in range(1, 4):
+        assert area(_attention_tiles(256, 2, interpreter=False)[kernel]) < area(_attention_tiles(64, 2, interpreter=False)[kernel])
+        assert area(_attention_tiles(64, 4, interpreter=False)[kernel]) <= area(_attention_tiles(64, 2, interpreter=False)[kernel])
+    assert _attention_tiles(192, 2, interpreter=False) == _attention_tiles(256, 2, interpreter=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Input validation (launchers and the registered ops' CPU twins raise the same errors)
+# ----------------------------------------------------------------------------------------------
+
+QKV = torch.randn(2, 5, 12)
+BAD_PADDED_CALLS = {
+    "qkv 2-D": ((torch.randn(5, 12), None, 2, 0.0), r"qkv must be the packed projection \(B, L, 3H\)"),
+    "qkv dtype": ((QKV.to(torch.int32), None, 2, 0.0), r"qkv must be one of"),
+    "num_heads": ((QKV, None, 0, 0.0), r"num_heads must be a positive int"),
+    "not 3 * heads": ((torch.randn(2, 5, 10), None, 2, 0.0), r"divisible by 3 \* num_heads"),
+    "head dim": ((torch.randn(1, 2, 3 * 257), None, 1, 0.0), r"head dim must be 1..256"),
+    "valid_lens shape": ((QKV, torch.tensor([1, 2, 3]), 2, 0.0), r"valid_lens must have shape \(B,\)"),
+    "valid_lens dtype": ((QKV, torch.tensor([True, False]), 2, 0.0), r"valid_lens must be an integer or floating"),
+    "valid_lens device": ((QKV, torch.ones(2, device="meta"), 2, 0.0), r"valid_lens is on meta"),
+    "dropout": ((QKV, None, 2, 1.0), r"dropout_p must be in \[0, 1\)"),
+    "dropout L": ((torch.randn(1, 65537, 3), None, 1, 0.1), r"attention dropout supports sequences up to 65536"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PADDED_CALLS))
+def test_padded_validation(case):
+    (qkv, valid_lens, num_heads, dropout_p), match = BAD_PADDED_CALLS[case]
+    with pytest.raises(ValueError, match=match):
+        _attention_fwd_triton(qkv, valid_lens, num_heads, dropout_p, 0)
+    if qkv.dtype.is_floating_point:
+        with pytest.raises(ValueError, match=match):
+            attention_fwd(qkv, valid_lens, num_heads, dropout_p, 0)
+
+
+def test_float64_only_on_the_cpu_twin():
+    with pytest.raises(ValueError, match="qkv must be one of"):
+        _attention_fwd_triton(QKV.double(), None, 2, 0.0, 0)
+    assert attention_fwd(QKV.double(), None, 2, 0.0, 0)[0].dtype == torch.float64
+
+
+@needs_triton
+def test_grid_limit():
+    with pytest.raises(ValueError, match=r"batch \* num_heads must be at most 65535"):
+        _attention_fwd_triton(torch.randn(65536, 1, 3, device=DEVICE), None, 1, 0.0, 0)
+
+
+CU_SEQLENS = torch.tensor([0, 2, 5], dtype=torch.int32)
+BAD_VARLEN_CALLS = {
+    "qkv 3-D": ((QKV, CU_SEQLENS, 2, 5), r"qkv must be the packed projection \(N, 3H\)"),
+    "cu_seqlens dtype": ((QKV[0], CU_SEQLENS.long(), 2, 5), r"cu_seqlens must be int32"),
+    "cu_seqlens shape": ((QKV[0], CU_SEQLENS[:1], 2, 5), r"cu_seqlens must be 1-D \(B\+1,\)"),
+    "cu_seqlens device": ((QKV[0], CU_SEQLENS.to("meta"), 2, 5), r"cu_seqlens is on meta"),
+    "max_seqlen": ((QKV[0], CU_SEQLENS, 2, -1), r"max_seqlen must be an int >= 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_VARLEN_CALLS))
+def test_varlen_validation(case):
+    (qkv, cu_seqlens, num_heads, max_seqlen), match = BAD_VARLEN_CALLS[case]
+    with pytest.raises(ValueError, match=match):
+        _varlen_attention_fwd_triton(qkv, cu_seqlens, num_heads, max_seqlen, 0.0, 0)
+    with pytest.raises(ValueError, match=match):
+        varlen_attention_fwd(qkv, cu_seqlens, num_heads, max_seqlen, 0.0, 0)
+
+
+def test_backward_validation():
+    out, lse = attention_fwd(QKV, None, 2, 0.0, 0)
+    with pytest.raises(ValueError, match=r"grad_out must have the context's shape"):
+        _attention_bwd_triton(out[:, :4], QKV, out, lse, None, 2, 0.0, 0)
+    with pytest.raises(ValueError, match=r"grad_out must be torch.float32"):
+        attention_bwd(out.double(), QKV, out, lse, None, 2, 0.0, 0)
+    with pytest.raises(ValueError, match=r"lse must be the forward's float64"):
+        _attention_bwd_triton(out, QKV, out, lse.float(), None, 2, 0.0, 0)
+    packed_out, packed_lse = varlen_attention_fwd(QKV[0], CU_SEQLENS, 2, 5, 0.0, 0)
+    with pytest.raises(ValueError, match=r"lse must be the forward's float64 \(2, 5\)"):
+        _varlen_attention_bwd_triton(packed_out, QKV[0], packed_out, lse, CU_SEQLENS, 2, 5, 0.0, 0)
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="backend must be 'torch' or 'triton'"):
+        ops.packed_self_attention(torch.randn(2, 5, 12), 2, backend="cuda")
+    unpadding = ops.unpadding_for(torch.tensor([2, 5]), 5)
+    with pytest.raises(ValueError, match="backend must be 'torch' or 'triton'"):
+        ops.unpadded_self_attention(torch.randn(7, 12), 2, unpadding, None, backend="Triton")
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: real sizes, fp16/bf16, vs the torch path
+# ----------------------------------------------------------------------------------------------
+
+def _gpu_dtypes():
+    dtypes = [torch.float16]
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0):
+        dtypes.append(torch.bfloat16)
+    return dtypes
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", _gpu_dtypes())
+@pytest.mark.parametrize("seqlen, num_heads, head_dim", [(128, 12, 64), (512, 4, 192), (128, 4, 80), (512, 16, 64)])
+def test_gpu_real_sizes_vs_torch_path(seqlen, num_heads, head_dim, dtype):
+    batch = 4
+    qkv = random_qkv(batch, seqlen, num_heads, head_dim, dtype=dtype, device="cuda")
+    valid_lens = torch.tensor([seqlen, seqlen // 2 + 0.5, 0, 3], device="cuda")
+    grad_out = torch.randn(batch, seqlen, num_heads * head_dim, dtype=dtype, device="cuda")
+    x = qkv.detach().requires_grad_()
+    out = ops.packed_self_attention(x, num_heads, valid_lens, backend="triton")
+    (dqkv,) = torch.autograd.grad(out, x, grad_out)
+    expected = {}
+    for ref_dtype in (torch.float32, dtype):
+        xr = qkv.detach().to(ref_dtype).requires_grad_()
+        out_r = ops.packed_self_attention(xr, num_heads, valid_lens)
+        expected[ref_dtype] = (out_r, torch.autograd.grad(out_r, xr, grad_out.to(ref_dtype))[0])
+    assert_rule(out, expected[torch.float32][0], expected[dtype][0], dtype, "context")
+    assert_rule(dqkv, expected[torch.float32][1], expected[dtype][1], dtype, "dqkv")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", _gpu_dtypes())
+def test_gpu_varlen_vs_torch_path(dtype):
+    seqlen, num_heads = 512, 12
+    valid_lens = torch.tensor([512, 300, 0, 1, 77.5], device="cuda")
+    unpadding = ops.unpadding_for(valid_lens, seqlen)
+    qkv = torch.randn(unpadding.indices.numel(), 3 * num_heads * 64, dtype=dtype, device="cuda")
+    grad_out = torch.randn(qkv.shape[0], num_heads * 64, dtype=dtype, device="cuda")
+    x = qkv.detach().requires_grad_()
+    out = ops.unpadded_self_attention(x, num_heads, unpadding, valid_lens, backend="triton")
+    (dqkv,) = torch.autograd.grad(out, x, grad_out)
+    expected = {}
+    for ref_dtype in (torch.float32, dtype):
+        xr = qkv.detach().to(ref_dtype).requires_grad_()
+        out_r = ops.unpadded_self_attention(xr, num_heads, unpadding, valid_lens, per_sequence=False)
+        expected[ref_dtype] = (out_r, torch.autograd.grad(out_r, xr, grad_out.to(ref_dtype))[0])
+    assert_rule(out, expected[torch.float32][0], expected[dtype][0], dtype, "varlen context")
+    assert_rule(dqkv, expected[torch.float32][1], expected[dtype][1], dtype, "varlen dqkv")
+
+
+@needs_cuda
+def test_gpu_dropout_keep_rate_and_compile():
+    keep = _attention_dropout_keep_triton(4, 12, 512, 0.1, 42, "cuda")
+    rate = keep.float().mean().item()
+    assert abs(rate - 0.9) < 1e-3, f"keep rate {rate:.5f}, expected 0.9"
+    qkv = random_qkv(2, 128, 4, 64, dtype=torch.float16, device="cuda")
+    valid_lens = torch.tensor([100, 7], device="cuda")
+    compiled = torch.compile(lambda x: ops.packed_self_attention(x, 4, valid_lens, backend="triton"), fullgraph=True)
+    assert_close(compiled(qkv), ops.packed_self_attention(qkv, 4, valid_lens, backend="triton"), atol=0.0,
+                 what="compiled context")
