@@ -1,9 +1,11 @@
 """Shared helpers for the tests: model pairs with equal weights, and error reporting."""
 
+import pytest
 import torch
 
 from bert_fast import FastBERTEncoder
 from bert_fast import reference as R
+from bert_fast.ops._triton import HAS_TRITON, interpreting
 
 # Error floors of the tolerance rule in ../shared/STYLE.md (flash-attention's rule).
 FLOOR = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
@@ -48,3 +50,11 @@ def assert_within_rule(actual, reference, same_precision_torch, what="output"):
     """STYLE.md: error vs the (fp64) reference <= 2x PyTorch's error at that precision + floor."""
     bound = 2 * max_err(same_precision_torch, reference) + FLOOR[actual.dtype]
     assert_close(actual, reference.to(actual.dtype), atol=bound, what=what)
+
+# Kernel tests run on CUDA when there is one, else on CPU tensors under the interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_kernels = pytest.mark.skipif(not (HAS_TRITON and (torch.cuda.is_available() or interpreting())),
+                                   reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (set by conftest.py "
+                                          "when there is no CUDA)")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+BF16_OK = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)

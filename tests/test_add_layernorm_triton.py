@@ -5,19 +5,12 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from bert_fast.ops._triton import interpreting
 from bert_fast.ops.add_layernorm import (MAX_HIDDEN, _add_layernorm_bwd_triton, _add_layernorm_fwd_triton,
                                          _layernorm_blocks, add_layernorm, add_layernorm_bwd,
                                          add_layernorm_fwd)
-from tests.helpers import assert_close, assert_within_rule, max_err
+from tests.helpers import (assert_close, assert_within_rule, BF16_OK, DEVICE,
+                           max_err, needs_cuda, needs_kernels)
 
-# Kernel tests run on CUDA when there is one, else on CPU tensors under the interpreter.
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_kernels = pytest.mark.skipif(not (torch.cuda.is_available() or interpreting()),
-                                   reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (set by conftest.py "
-                                          "when there is no CUDA)")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-BF16_OK = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
 
 
 def torch_add_layernorm(x, residual, weight, bias, grad_out, keep_scale=None):

@@ -13,18 +13,12 @@ from torch.nn import functional as F
 
 from bert_fast import ops
 from bert_fast import reference as R
-from bert_fast.ops._triton import HAS_TRITON, interpreting
 from bert_fast.ops.attention import (_attention_bwd_triton, _attention_dropout_keep_triton,
                                      _attention_fwd_triton, _attention_tiles, _varlen_attention_bwd_triton,
                                      _varlen_attention_fwd_triton, attention_bwd, attention_fwd,
                                      varlen_attention_bwd, varlen_attention_fwd)
-from tests.helpers import FLOOR, assert_close, max_err
+from tests.helpers import DEVICE, FLOOR, assert_close, max_err, needs_cuda, needs_kernels
 
-needs_triton = pytest.mark.skipif(
-    not (HAS_TRITON and (torch.cuda.is_available() or interpreting())),
-    reason="Triton kernels need CUDA, or TRITON_INTERPRET=1 on the CPU (the root conftest sets it without CUDA)")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="real sizes: GPU only")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP32_EPS = torch.finfo(torch.float32).eps
 
 
@@ -92,7 +86,7 @@ VALID_LENS_CASES = {
 # Kernels vs the reference (interpreter on CPU; the same tests run natively on CUDA)
 # ----------------------------------------------------------------------------------------------
 
-@needs_triton
+@needs_kernels
 @pytest.mark.parametrize("case", list(VALID_LENS_CASES))
 def test_forward_and_backward_match_reference(case):
     valid_lens = VALID_LENS_CASES[case]
@@ -110,7 +104,7 @@ def test_forward_and_backward_match_reference(case):
     assert_rule(dqkv, dqkv64, dqkv32, torch.float32, "dqkv")
 
 
-@needs_triton
+@needs_kernels
 def test_row_that_sees_no_key_is_uniform_and_only_feeds_dv():
     # Sequence 0 sees nothing (uniform over all 17 keys, across two key blocks); sequence 1 is normal.
     qkv = random_qkv(2, 17, 1, 16)
@@ -124,7 +118,7 @@ def test_row_that_sees_no_key_is_uniform_and_only_feeds_dv():
     assert_close(dqkv[0, :, 32:], (grad_out[0].sum(0) / 17).expand(17, 16), atol=1e-5, what="dV of uniform rows")
 
 
-@needs_triton
+@needs_kernels
 @pytest.mark.parametrize("batch, seqlen, num_heads, head_dim, valid_lens", [
     (1, 17, 1, 80, [11.0]),          # head dim not a power of two, L not a multiple of the block
     (1, 1, 2, 32, None),             # one token
@@ -143,7 +137,7 @@ def test_odd_shapes(batch, seqlen, num_heads, head_dim, valid_lens):
     assert_rule(dqkv, dqkv64, dqkv32, torch.float32, "dqkv")
 
 
-@needs_triton
+@needs_kernels
 def test_strided_inputs():
     # qkv as a (L, B, 3H + 8) buffer seen as (B, L, 3H); grad_out expanded (stride 0 over rows).
     buffer = torch.randn(18, 2, 3 * 2 * 16 + 8, device=DEVICE)
@@ -158,7 +152,7 @@ def test_strided_inputs():
     assert_close(dqkv, dqkv_c, atol=0.0, what="dqkv from strided qkv and grad_out")
 
 
-@needs_triton
+@needs_kernels
 def test_fp16_within_rule_of_fp32_reference():
     qkv = random_qkv(2, 19, 2, 32, dtype=torch.float16)
     valid_lens = torch.tensor([0.0, 12.5], device=DEVICE)
@@ -176,7 +170,7 @@ def test_fp16_within_rule_of_fp32_reference():
     assert_rule(dqkv, dqkv64, dqkv16, torch.float16, "fp16 dqkv")
 
 
-@needs_triton
+@needs_kernels
 def test_varlen_matches_padded():
     # A zero-length sequence, and max_seqlen (the padded L) above the longest sequence.
     seqlen, valid_lens = 17, torch.tensor([5.0, 0.0, 13.0], device=DEVICE)
@@ -198,7 +192,7 @@ def test_varlen_matches_padded():
 # Dropout
 # ----------------------------------------------------------------------------------------------
 
-@needs_triton
+@needs_kernels
 def test_dropout_mask_keep_rate_and_seeds():
     keep = _attention_dropout_keep_triton(2, 2, 48, 0.3, 1234, DEVICE)
     assert keep.shape == (2, 2, 48, 48) and keep.dtype == torch.bool
@@ -210,7 +204,7 @@ def test_dropout_mask_keep_rate_and_seeds():
         "every (batch, head) needs its own stream"
 
 
-@needs_triton
+@needs_kernels
 def test_dropout_forward_and_backward_use_one_mask():
     p, seed = 0.3, 77
     qkv = random_qkv(2, 19, 2, 16)
@@ -230,7 +224,7 @@ def test_dropout_forward_and_backward_use_one_mask():
     assert max_err(other, out) > 1e-2, "another seed must drop other weights"
 
 
-@needs_triton
+@needs_kernels
 def test_varlen_dropout_matches_padded_dropout():
     # The mask is indexed by (batch, head, query, key) within the padded L: both layouts agree.
     p, seed, seqlen = 0.25, 5, 17
@@ -374,7 +368,7 @@ def test_float64_only_on_the_cpu_twin():
     assert attention_fwd(QKV.double(), None, 2, 0.0, 0)[0].dtype == torch.float64
 
 
-@needs_triton
+@needs_kernels
 def test_grid_limit():
     with pytest.raises(ValueError, match=r"batch \* num_heads must be at most 65535"):
         _attention_fwd_triton(torch.randn(65536, 1, 3, device=DEVICE), None, 1, 0.0, 0)

@@ -5,18 +5,11 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from bert_fast.ops._triton import interpreting
 from bert_fast.ops.bias_act import (ACTIVATIONS, _bias_act_bwd_triton, _bias_act_fwd_triton, bias_act_bwd,
                                     bias_act_fwd, linear_act)
-from tests.helpers import assert_close, assert_within_rule, max_err
+from tests.helpers import (assert_close, assert_within_rule, BF16_OK, DEVICE,
+                           max_err, needs_cuda, needs_kernels)
 
-# Kernel tests run on CUDA when there is one, else on CPU tensors under the interpreter.
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_kernels = pytest.mark.skipif(not (torch.cuda.is_available() or interpreting()),
-                                   reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (set by conftest.py "
-                                          "when there is no CUDA)")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-BF16_OK = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
 # The interpreter evaluates sigmoid's exp with numpy, which warns when it overflows to inf
 # (the result, 0 or 1, is right).
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")

@@ -5,19 +5,12 @@ CPU twins), the position table's opt-in gradient, and input validation."""
 import pytest
 import torch
 
-from bert_fast.ops._triton import interpreting
 from bert_fast.ops.embedding import (CARRY_BLOCK, _chunk_blocks, _embedding_sum_bwd_triton,
                                      _embedding_sum_fwd_triton, _embedding_sum_torch, embedding_sum,
                                      embedding_sum_bwd, embedding_sum_fwd)
-from tests.helpers import assert_close, assert_within_rule, max_err
+from tests.helpers import (assert_close, assert_within_rule, BF16_OK, DEVICE,
+                           max_err, needs_cuda, needs_kernels)
 
-# Kernel tests run on CUDA when there is one, else on CPU tensors under the interpreter.
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_kernels = pytest.mark.skipif(not (torch.cuda.is_available() or interpreting()),
-                                   reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (set by conftest.py "
-                                          "when there is no CUDA)")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-BF16_OK = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
 
 
 def make_tables(n_tokens, n_segments, max_len, hidden, dtype, device=DEVICE):
