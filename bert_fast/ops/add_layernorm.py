@@ -47,6 +47,23 @@ def _add_layernorm_torch(x, residual, weight, bias, eps, dropout_p, training):
                         weight, bias, eps)
 
 
+@triton.jit
+def _dropped_sum(x_ptr, residual_ptr, rows64, cols, mask, x_row_stride, residual_row_stride,
+                 hidden, dropout_p, keep_scale, seed, HAS_DROPOUT: tl.constexpr):
+    """``residual + dropout(x)`` of a tile in fp32, and the dropout keep mask (the tile mask
+    when there is no dropout). Forward and backward both call it, so the backward sees the
+    forward's mask: it is keyed on the logical element index, not the memory offset, so it is
+    the same whatever the strides of the tensors each pass gets."""
+    x = tl.load(x_ptr + rows64 * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(residual_ptr + rows64 * residual_row_stride + cols[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    keep = mask
+    if HAS_DROPOUT:
+        keep = tl.rand(seed, rows64 * hidden + cols[None, :]) >= dropout_p
+        x = tl.where(keep, x * keep_scale, 0.0)
+    return s + x, keep
+
+
 @triton.jit(do_not_specialize=["seed"])
 def _add_layernorm_fwd_kernel(x_ptr, residual_ptr, weight_ptr, bias_ptr, out_ptr, mean_ptr, rstd_ptr,
                               x_row_stride, residual_row_stride, n_rows, hidden, eps,
@@ -60,15 +77,8 @@ def _add_layernorm_fwd_kernel(x_ptr, residual_ptr, weight_ptr, bias_ptr, out_ptr
     col_in = cols < hidden
     mask = row_in[:, None] & col_in[None, :]
     rows64 = rows.to(tl.int64)[:, None]
-    x = tl.load(x_ptr + rows64 * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(residual_ptr + rows64 * residual_row_stride + cols[None, :], mask=mask,
-                other=0.0).to(tl.float32)
-    if HAS_DROPOUT:
-        # The logical element index, not the memory offset: the backward regenerates the mask
-        # whatever the strides of the tensors it gets.
-        keep = tl.rand(seed, rows64 * hidden + cols[None, :]) >= dropout_p
-        x = tl.where(keep, x * keep_scale, 0.0)
-    s += x
+    s, _keep = _dropped_sum(x_ptr, residual_ptr, rows64, cols, mask, x_row_stride,
+                            residual_row_stride, hidden, dropout_p, keep_scale, seed, HAS_DROPOUT)
     mean = tl.sum(s, axis=1) / hidden
     centered = tl.where(mask, s - mean[:, None], 0.0)
     rstd = tl.rsqrt(tl.sum(centered * centered, axis=1) / hidden + eps)
@@ -104,13 +114,8 @@ def _add_layernorm_bwd_kernel(grad_out_ptr, x_ptr, residual_ptr, weight_ptr, mea
         rows64 = rows.to(tl.int64)[:, None]
         dy = tl.load(grad_out_ptr + rows64 * grad_row_stride + cols[None, :], mask=mask,
                      other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + rows64 * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        s = tl.load(residual_ptr + rows64 * residual_row_stride + cols[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
-        if HAS_DROPOUT:
-            keep = tl.rand(seed, rows64 * hidden + cols[None, :]) >= dropout_p
-            x = tl.where(keep, x * keep_scale, 0.0)
-        s += x
+        s, keep = _dropped_sum(x_ptr, residual_ptr, rows64, cols, mask, x_row_stride,
+                               residual_row_stride, hidden, dropout_p, keep_scale, seed, HAS_DROPOUT)
         mean = tl.load(mean_ptr + rows, mask=row_in, other=0.0)
         rstd = tl.load(rstd_ptr + rows, mask=row_in, other=0.0)
         x_hat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
