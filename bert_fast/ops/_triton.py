@@ -54,6 +54,19 @@ def require_triton(*tensors):
                          f"got a tensor on {t.device}")
 
 
+def uses_triton(backend):
+    """True for the ops' "triton" backend, False for "torch"; anything else is an error."""
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
+    return backend == "triton"
+
+
+def dropout_seed(dropout_p):
+    """A Philox seed from torch's default CPU generator (no GPU sync), so torch.manual_seed
+    repeats runs; 0 when there is no dropout."""
+    return int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0.0 else 0
+
+
 def launch(kernel):
     """``kernel[grid](...)`` in a form torch.compile can trace (torch.library.wrap_triton)."""
     return torch.library.wrap_triton(kernel)

@@ -34,7 +34,8 @@ import torch
 from torch.library import triton_op
 from torch.nn import functional as F
 
-from ._triton import KERNEL_DTYPES, as_rows, launch, reduction_programs, require_triton, tl, triton
+from ._triton import (as_rows, dropout_seed, KERNEL_DTYPES, launch, reduction_programs,
+                      require_triton, tl, triton, uses_triton)
 
 # The whole row lives in registers (one tile row per normalised row).
 MAX_HIDDEN = 8192
@@ -356,11 +357,9 @@ def add_layernorm(x, residual, weight, bias, eps=1e-5, dropout_p=0.0, training=F
     kernels on CUDA, their PyTorch twins on CPU); the dropout seed is drawn from torch's
     default CPU generator, so ``torch.manual_seed`` makes a run repeatable.
     """
-    if backend == "torch":
+    if not uses_triton(backend):
         return _add_layernorm_torch(x, residual, weight, bias, eps, dropout_p, training)
-    if backend != "triton":
-        raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
     dropout_p = float(dropout_p) if training else 0.0
-    seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0.0 else 0
+    seed = dropout_seed(dropout_p)
     out, _mean, _rstd = add_layernorm_fwd(x, residual, weight, bias, float(eps), seed, dropout_p)
     return out

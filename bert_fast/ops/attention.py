@@ -51,7 +51,7 @@ from torch.library import triton_op
 from torch.nn import functional as F
 
 from ..reference import MASK_VALUE
-from ._triton import interpreting, launch, require_triton, tl, triton
+from ._triton import dropout_seed, interpreting, launch, require_triton, tl, triton, uses_triton
 from .padding import pad, unpad
 
 
@@ -824,21 +824,10 @@ varlen_attention_fwd.register_autograd(_varlen_attention_backward, setup_context
 # Public functions (what the modules call)
 # ----------------------------------------------------------------------------------------------
 
-def _uses_triton(backend):
-    if backend not in ("torch", "triton"):
-        raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
-    return backend == "triton"
-
-
-def _dropout_seed(dropout_p):
-    """A seed from torch's default CPU generator (no GPU sync), so torch.manual_seed repeats runs."""
-    return int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0.0 else 0
-
-
 def packed_self_attention(qkv, num_heads, valid_lens=None, dropout_p=0.0, *, backend="torch"):
     """Self-attention reading Q, K, V straight from a (B, L, 3H) packed projection."""
-    if _uses_triton(backend):
-        return attention_fwd(qkv, valid_lens, num_heads, float(dropout_p), _dropout_seed(dropout_p))[0]
+    if uses_triton(backend):
+        return attention_fwd(qkv, valid_lens, num_heads, float(dropout_p), dropout_seed(dropout_p))[0]
     q, k, v = qkv.chunk(3, dim=-1)
     return attention(q, k, v, num_heads, valid_lens, dropout_p)
 
@@ -855,9 +844,9 @@ def unpadded_self_attention(qkv, num_heads, unpadding, valid_lens, dropout_p=0.0
     re-padded (B, L) layout with the key mask keeps the launch count independent of B.
     ``per_sequence`` forces one or the other (torch backend only).
     """
-    if _uses_triton(backend):
+    if uses_triton(backend):
         return varlen_attention_fwd(qkv, unpadding.cu_seqlens, num_heads, unpadding.seqlen,
-                                    float(dropout_p), _dropout_seed(dropout_p))[0]
+                                    float(dropout_p), dropout_seed(dropout_p))[0]
     hidden = qkv.shape[-1] // 3
     if per_sequence is None:
         per_sequence = qkv.device.type == "cpu"

@@ -29,7 +29,8 @@ import torch
 from torch.library import triton_op
 from torch.nn import functional as F
 
-from ._triton import KERNEL_DTYPES, as_rows, launch, reduction_programs, require_triton, tl, triton
+from ._triton import (as_rows, KERNEL_DTYPES, launch, reduction_programs, require_triton,
+                      tl, triton, uses_triton)
 # Shared with add_layernorm: the dtypes the kernels take, the (rows, N) view the launchers
 # need, and the grid of a kernel that reduces over rows.
 
@@ -286,8 +287,6 @@ def bias_act(h, bias, activation="relu"):
 
 def linear_act(x, weight, bias, activation="relu", *, backend="torch"):
     """``act(x @ weight^T + bias)``; see the module docstring for the two backends."""
-    if backend == "torch":
+    if not uses_triton(backend):
         return _linear_act_torch(x, weight, bias, activation)
-    if backend != "triton":
-        raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
     return bias_act(F.linear(x, weight), bias, activation)

@@ -54,7 +54,7 @@ import torch
 from torch.library import triton_op
 from torch.nn import functional as F
 
-from ._triton import KERNEL_DTYPES, launch, require_triton, tl, triton
+from ._triton import KERNEL_DTYPES, launch, require_triton, tl, triton, uses_triton
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -509,11 +509,9 @@ def embedding_sum(tokens, segments, token_weight, segment_weight, pos_weight, *,
     sort-based reduction instead of atomics, so two runs give the same bits. (The torch
     backend ignores it: it follows torch.use_deterministic_algorithms.)
     """
-    if backend == "torch":
+    if not uses_triton(backend):
         return _embedding_sum_torch(tokens, segments, token_weight, segment_weight, pos_weight,
                                     positions, learn_pos_embedding)
-    if backend != "triton":
-        raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
     if not learn_pos_embedding:
         pos_weight = pos_weight.detach()
     return embedding_sum_fwd(tokens, segments, token_weight, segment_weight, pos_weight, positions,
