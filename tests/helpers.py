@@ -58,3 +58,8 @@ needs_kernels = pytest.mark.skipif(not (HAS_TRITON and (torch.cuda.is_available(
                                           "when there is no CUDA)")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 BF16_OK = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+
+
+def seed_tensor(value, device=DEVICE):
+    """A dropout seed as the ops take it: a one-element int64 tensor."""
+    return torch.tensor([value], dtype=torch.int64, device=device)

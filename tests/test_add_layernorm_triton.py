@@ -8,7 +8,7 @@ from torch.nn import functional as F
 from bert_fast.ops.add_layernorm import (MAX_HIDDEN, _add_layernorm_bwd_triton, _add_layernorm_fwd_triton,
                                          _layernorm_blocks, add_layernorm, add_layernorm_bwd,
                                          add_layernorm_fwd)
-from tests.helpers import (assert_close, assert_within_rule, BF16_OK, DEVICE,
+from tests.helpers import (assert_close, assert_within_rule, BF16_OK, DEVICE, seed_tensor,
                            max_err, needs_cuda, needs_kernels)
 
 
@@ -37,7 +37,7 @@ def make_inputs(shape, dtype, affine, device=DEVICE):
 
 def check_kernels_against_torch(shape, dtype, affine, device=DEVICE):
     x, residual, weight, bias, grad_out = make_inputs(shape, dtype, affine, device)
-    out, mean, rstd = _add_layernorm_fwd_triton(x, residual, weight, bias, 1e-5, 0, 0.0)
+    out, mean, rstd = _add_layernorm_fwd_triton(x, residual, weight, bias, 1e-5, None, 0.0)
     rows = x.numel() // shape[-1]
     assert mean.shape == rstd.shape == (rows,) and mean.dtype == rstd.dtype == torch.float32
     d_residual, d_x, d_weight, d_bias = _add_layernorm_bwd_triton(
@@ -85,9 +85,9 @@ def test_strided_inputs_give_the_contiguous_result():
     grad_out = torch.randn(96, 9, device=DEVICE).t()
 
     def fwd_and_bwd(x, residual, grad_out):
-        out, mean, rstd = _add_layernorm_fwd_triton(x, residual, weight, bias, 1e-5, 11, 0.3)
+        out, mean, rstd = _add_layernorm_fwd_triton(x, residual, weight, bias, 1e-5, seed_tensor(11), 0.3)
         return (out, mean, rstd,
-                *_add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, 11, 0.3, True))
+                *_add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed_tensor(11), 0.3, True))
 
     strided = fwd_and_bwd(x, residual, grad_out)
     contiguous = fwd_and_bwd(x.contiguous(), residual.contiguous(), grad_out.contiguous())
@@ -105,7 +105,7 @@ def keep_from_forward(out, mean, rstd):
 def check_dropout(rows, hidden, dropout_p, dtype, device=DEVICE):
     x = (1 + torch.rand(rows, hidden, device=device)).to(dtype)
     residual = torch.zeros_like(x)
-    out, mean, rstd = _add_layernorm_fwd_triton(x, residual, None, None, 1e-5, 1234, dropout_p)
+    out, mean, rstd = _add_layernorm_fwd_triton(x, residual, None, None, 1e-5, seed_tensor(1234, device), dropout_p)
     keep, s = keep_from_forward(out, mean, rstd)
     keep_rate = keep.double().mean().item()
     tolerance = 6 * (dropout_p * (1 - dropout_p) / keep.numel()) ** 0.5
@@ -118,8 +118,8 @@ def check_dropout(rows, hidden, dropout_p, dtype, device=DEVICE):
     assert relative_err <= tol, f"kept values scaled by 1/(1-p): max relative error {relative_err:.3g}"
     assert_close(s[~keep], torch.zeros_like(s[~keep]), atol=tol, what="dropped values")
 
-    again = _add_layernorm_fwd_triton(x, residual, None, None, 1e-5, 1234, dropout_p)[0]
-    other_seed = _add_layernorm_fwd_triton(x, residual, None, None, 1e-5, 4321, dropout_p)[0]
+    again = _add_layernorm_fwd_triton(x, residual, None, None, 1e-5, seed_tensor(1234, device), dropout_p)[0]
+    other_seed = _add_layernorm_fwd_triton(x, residual, None, None, 1e-5, seed_tensor(4321, device), dropout_p)[0]
     assert torch.equal(again, out), "same seed, same output"
     assert not torch.equal(other_seed, out), "another seed, another mask"
 
@@ -127,10 +127,10 @@ def check_dropout(rows, hidden, dropout_p, dtype, device=DEVICE):
     # LayerNorm(residual + x * keep / (1-p)) with the mask read off the forward.
     residual = torch.randn_like(x)
     weight, bias = torch.randn(hidden, device=device).to(dtype), torch.randn(hidden, device=device).to(dtype)
-    out, mean, rstd = _add_layernorm_fwd_triton(x, residual, weight, bias, 1e-5, 1234, dropout_p)
+    out, mean, rstd = _add_layernorm_fwd_triton(x, residual, weight, bias, 1e-5, seed_tensor(1234, device), dropout_p)
     grad_out = torch.randn_like(x)
     d_residual, d_x, d_weight, d_bias = _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd,
-                                                                  1234, dropout_p, True)
+                                                                  seed_tensor(1234, device), dropout_p, True)
     keep_scale = keep.double() * scale
     as64 = lambda t: t.double()
     ref_out, ref_grads = torch_add_layernorm(*map(as64, (x, residual, weight, bias, grad_out)), keep_scale)
@@ -150,9 +150,25 @@ def test_dropout(dropout_p, dtype):
 
 
 @needs_kernels
+def test_dropout_of_kernels_and_cpu_twin_agree():
+    """Both draw the mask of _philox.py, so with dropout on they give the same output."""
+    x, residual, weight, bias, grad_out = make_inputs((5, 7, 96), torch.float32, "both")
+    out, mean, rstd = _add_layernorm_fwd_triton(x, residual, weight, bias, 1e-5, seed_tensor(99), 0.3)
+    grads = _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed_tensor(99), 0.3, True)
+    cpu = lambda t: t.cpu() if t is not None else None
+    twin_out, _, _ = add_layernorm_fwd(*map(cpu, (x, residual, weight, bias)), 1e-5, seed_tensor(99, "cpu"), 0.3)
+    twin_grads = add_layernorm_bwd(*map(cpu, (grad_out, x, residual, weight, mean, rstd)), seed_tensor(99, "cpu"),
+                                   0.3, True)
+    assert_close(out.cpu(), twin_out, atol=1e-5, what="out")
+    assert torch.equal(grads[1].cpu() == 0, twin_grads[1] == 0), "d_x is zero exactly where the twin dropped"
+    for a, b, name in zip(grads, twin_grads, ("d_residual", "d_x", "d_weight", "d_bias")):
+        assert_close(a.cpu(), b, atol=1e-4, what=name)
+
+
+@needs_kernels
 def test_dropout_of_everything_leaves_layernorm_of_residual():
     x, residual, weight, bias, _ = make_inputs((3, 96), torch.float32, "both")
-    out = _add_layernorm_fwd_triton(x, residual, weight, bias, 1e-5, 5, 1.0)[0]
+    out = _add_layernorm_fwd_triton(x, residual, weight, bias, 1e-5, seed_tensor(5), 1.0)[0]
     assert_close(out, F.layer_norm(residual, (96,), weight, bias), atol=1e-5)
 
 
@@ -160,8 +176,8 @@ def test_dropout_of_everything_leaves_layernorm_of_residual():
 def test_empty_input():
     x = torch.randn(0, 4, 96, device=DEVICE)
     weight, bias = torch.randn(96, device=DEVICE), torch.randn(96, device=DEVICE)
-    out, mean, rstd = _add_layernorm_fwd_triton(x, x, weight, bias, 1e-5, 0, 0.0)
-    d_residual, _, d_weight, d_bias = _add_layernorm_bwd_triton(x, x, x, weight, mean, rstd, 0, 0.0, True)
+    out, mean, rstd = _add_layernorm_fwd_triton(x, x, weight, bias, 1e-5, None, 0.0)
+    d_residual, _, d_weight, d_bias = _add_layernorm_bwd_triton(x, x, x, weight, mean, rstd, None, 0.0, True)
     assert out.shape == d_residual.shape == x.shape and mean.shape == (0,)
     assert torch.equal(d_weight, torch.zeros(96, device=DEVICE)) and torch.equal(d_bias, d_weight)
 
@@ -171,9 +187,10 @@ def test_opcheck(dropout_p, affine):
     x, residual, weight, bias, grad_out = make_inputs((2, 3, 8), torch.float32, affine, "cpu")
     x.requires_grad_()
     residual.requires_grad_()
-    torch.library.opcheck(add_layernorm_fwd, (x, residual, weight, bias, 1e-5, 7, dropout_p))
-    _, mean, rstd = add_layernorm_fwd(x, residual, weight, bias, 1e-5, 7, dropout_p)
-    torch.library.opcheck(add_layernorm_bwd, (grad_out, x.detach(), residual.detach(), weight, mean, rstd, 7,
+    seed = seed_tensor(7, "cpu") if dropout_p else None
+    torch.library.opcheck(add_layernorm_fwd, (x, residual, weight, bias, 1e-5, seed, dropout_p))
+    _, mean, rstd = add_layernorm_fwd(x, residual, weight, bias, 1e-5, seed, dropout_p)
+    torch.library.opcheck(add_layernorm_bwd, (grad_out, x.detach(), residual.detach(), weight, mean, rstd, seed,
                                               dropout_p, bias is not None))
 
 
@@ -236,20 +253,20 @@ VALIDATION_CASES = [
 @pytest.mark.parametrize("args,error,message", VALIDATION_CASES, ids=[c[2] for c in VALIDATION_CASES])
 def test_launcher_validation(args, error, message):
     with pytest.raises(error, match=message):
-        _add_layernorm_fwd_triton(*args, 1e-5, 0, 0.0)
+        _add_layernorm_fwd_triton(*args, 1e-5, None, 0.0)
 
 
 def test_launcher_validation_of_dropout_and_backward_inputs():
     x, w = torch.randn(4, 96), torch.randn(96)
     with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\]"):
-        _add_layernorm_fwd_triton(x, x, w, w, 1e-5, 0, 1.5)
+        _add_layernorm_fwd_triton(x, x, w, w, 1e-5, None, 1.5)
     stats = torch.zeros(4)
     with pytest.raises(ValueError, match="grad_out must match x"):
-        _add_layernorm_bwd_triton(x.half(), x, x, w, stats, stats, 0, 0.0, True)
+        _add_layernorm_bwd_triton(x.half(), x, x, w, stats, stats, None, 0.0, True)
     with pytest.raises(ValueError, match=r"mean must be the forward's float32 \(4,\) tensor"):
-        _add_layernorm_bwd_triton(x, x, x, w, stats.double(), stats, 0, 0.0, True)
+        _add_layernorm_bwd_triton(x, x, x, w, stats.double(), stats, None, 0.0, True)
     with pytest.raises(ValueError, match=r"rstd must be the forward's float32 \(4,\) tensor"):
-        _add_layernorm_bwd_triton(x, x, x, w, stats, torch.zeros(3), 0, 0.0, True)
+        _add_layernorm_bwd_triton(x, x, x, w, stats, torch.zeros(3), None, 0.0, True)
 
 
 # GPU: the same checks at BERT sizes, in fp16 and bf16, and the public function.

@@ -13,11 +13,11 @@ from torch.nn import functional as F
 
 from bert_fast import ops
 from bert_fast import reference as R
-from bert_fast.ops.attention import (_attention_bwd_triton, _attention_dropout_keep_triton,
+from bert_fast.ops.attention import (_attention_bwd_triton, _attention_dropout_keep_cpu, _attention_dropout_keep_triton,
                                      _attention_fwd_triton, _attention_tiles, _varlen_attention_bwd_triton,
                                      _varlen_attention_fwd_triton, attention_bwd, attention_fwd,
                                      varlen_attention_bwd, varlen_attention_fwd)
-from tests.helpers import DEVICE, FLOOR, assert_close, max_err, needs_cuda, needs_kernels
+from tests.helpers import DEVICE, FLOOR, assert_close, max_err, needs_cuda, needs_kernels, seed_tensor
 
 FP32_EPS = torch.finfo(torch.float32).eps
 
@@ -93,8 +93,8 @@ def test_forward_and_backward_match_reference(case):
     valid_lens = None if valid_lens is None else valid_lens.to(DEVICE)
     qkv = random_qkv(2, 20, 2, 16)                       # L = 20 crosses the interpreter's 16-blocks
     grad_out = torch.randn(2, 20, 32, device=DEVICE)
-    out, lse = _attention_fwd_triton(qkv, valid_lens, 2, 0.0, 0)
-    dqkv = _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, 2, 0.0, 0)
+    out, lse = _attention_fwd_triton(qkv, valid_lens, 2, 0.0, None)
+    dqkv = _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, 2, 0.0, None)
     out64, lse64, dqkv64 = reference_with_grad(qkv, grad_out, 2, valid_lens)
     out32, _, dqkv32 = reference_with_grad(qkv, grad_out, 2, valid_lens, dtype=torch.float32)
     assert out.dtype == qkv.dtype and out.shape == (2, 20, 32) and lse.shape == (2, 2, 20)
@@ -109,11 +109,11 @@ def test_row_that_sees_no_key_is_uniform_and_only_feeds_dv():
     # Sequence 0 sees nothing (uniform over all 17 keys, across two key blocks); sequence 1 is normal.
     qkv = random_qkv(2, 17, 1, 16)
     valid_lens = torch.tensor([0.0, 5.0], device=DEVICE)
-    out, lse = _attention_fwd_triton(qkv, valid_lens, 1, 0.0, 0)
+    out, lse = _attention_fwd_triton(qkv, valid_lens, 1, 0.0, None)
     v = qkv[0, :, 32:]
     assert_close(out[0], v.mean(0).expand(17, 16), atol=1e-5, what="uniform row")
     grad_out = torch.randn(2, 17, 16, device=DEVICE)
-    dqkv = _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, 1, 0.0, 0)
+    dqkv = _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, 1, 0.0, None)
     assert torch.count_nonzero(dqkv[0, :, :32]) == 0, "dQ and dK of a row that sees no key must be zero"
     assert_close(dqkv[0, :, 32:], (grad_out[0].sum(0) / 17).expand(17, 16), atol=1e-5, what="dV of uniform rows")
 
@@ -128,8 +128,8 @@ def test_odd_shapes(batch, seqlen, num_heads, head_dim, valid_lens):
     valid_lens = None if valid_lens is None else torch.tensor(valid_lens, device=DEVICE)
     qkv = random_qkv(batch, seqlen, num_heads, head_dim)
     grad_out = torch.randn(batch, seqlen, num_heads * head_dim, device=DEVICE)
-    out, lse = _attention_fwd_triton(qkv, valid_lens, num_heads, 0.0, 0)
-    dqkv = _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, num_heads, 0.0, 0)
+    out, lse = _attention_fwd_triton(qkv, valid_lens, num_heads, 0.0, None)
+    dqkv = _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, num_heads, 0.0, None)
     out64, lse64, dqkv64 = reference_with_grad(qkv, grad_out, num_heads, valid_lens)
     out32, _, dqkv32 = reference_with_grad(qkv, grad_out, num_heads, valid_lens, dtype=torch.float32)
     assert_rule(out, out64, out32, torch.float32, "context")
@@ -144,10 +144,10 @@ def test_strided_inputs():
     qkv = buffer.transpose(0, 1)[..., 8:]
     grad_out = torch.randn(2, 1, 32, device=DEVICE).expand(2, 18, 32)
     valid_lens = torch.tensor([7, 18], device=DEVICE)
-    out, lse = _attention_fwd_triton(qkv, valid_lens, 2, 0.0, 0)
-    dqkv = _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, 2, 0.0, 0)
-    out_c, lse_c = _attention_fwd_triton(qkv.contiguous(), valid_lens, 2, 0.0, 0)
-    dqkv_c = _attention_bwd_triton(grad_out.contiguous(), qkv.contiguous(), out_c, lse_c, valid_lens, 2, 0.0, 0)
+    out, lse = _attention_fwd_triton(qkv, valid_lens, 2, 0.0, None)
+    dqkv = _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, 2, 0.0, None)
+    out_c, lse_c = _attention_fwd_triton(qkv.contiguous(), valid_lens, 2, 0.0, None)
+    dqkv_c = _attention_bwd_triton(grad_out.contiguous(), qkv.contiguous(), out_c, lse_c, valid_lens, 2, 0.0, None)
     assert_close(out, out_c, atol=0.0, what="context from strided qkv")
     assert_close(dqkv, dqkv_c, atol=0.0, what="dqkv from strided qkv and grad_out")
 
@@ -157,8 +157,8 @@ def test_fp16_within_rule_of_fp32_reference():
     qkv = random_qkv(2, 19, 2, 32, dtype=torch.float16)
     valid_lens = torch.tensor([0.0, 12.5], device=DEVICE)
     grad_out = torch.randn(2, 19, 64, device=DEVICE, dtype=torch.float16)
-    out, lse = _attention_fwd_triton(qkv, valid_lens, 2, 0.0, 0)
-    dqkv = _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, 2, 0.0, 0)
+    out, lse = _attention_fwd_triton(qkv, valid_lens, 2, 0.0, None)
+    dqkv = _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, 2, 0.0, None)
     assert out.dtype == dqkv.dtype == torch.float16 and lse.dtype == torch.float64
     out64, lse64, dqkv64 = reference_with_grad(qkv, grad_out, 2, valid_lens)
     # Baseline: the torch path at fp16 (the book's math itself is NaN there: -1e6 is -inf in fp16).
@@ -177,11 +177,11 @@ def test_varlen_matches_padded():
     unpadding = ops.unpadding_for(valid_lens, seqlen)
     qkv = random_qkv(3, seqlen, 2, 16)
     grad_packed = torch.randn(unpadding.indices.numel(), 32, device=DEVICE)
-    out, lse = _attention_fwd_triton(qkv, valid_lens, 2, 0.0, 0)
-    dqkv = _attention_bwd_triton(ops.pad(grad_packed, unpadding), qkv, out, lse, valid_lens, 2, 0.0, 0)
+    out, lse = _attention_fwd_triton(qkv, valid_lens, 2, 0.0, None)
+    dqkv = _attention_bwd_triton(ops.pad(grad_packed, unpadding), qkv, out, lse, valid_lens, 2, 0.0, None)
     packed = ops.unpad(qkv, unpadding)
-    out_v, lse_v = _varlen_attention_fwd_triton(packed, unpadding.cu_seqlens, 2, seqlen, 0.0, 0)
-    dqkv_v = _varlen_attention_bwd_triton(grad_packed, packed, out_v, lse_v, unpadding.cu_seqlens, 2, seqlen, 0.0, 0)
+    out_v, lse_v = _varlen_attention_fwd_triton(packed, unpadding.cu_seqlens, 2, seqlen, 0.0, None)
+    dqkv_v = _varlen_attention_bwd_triton(grad_packed, packed, out_v, lse_v, unpadding.cu_seqlens, 2, seqlen, 0.0, None)
     assert out_v.shape == (18, 32) and lse_v.shape == (2, 18) and dqkv_v.shape == packed.shape
     assert_close(out_v, ops.unpad(out, unpadding), atol=1e-6, what="varlen context")
     assert_close(lse_v, lse.transpose(1, 2).flatten(0, 1)[unpadding.indices].T, atol=1e-6, what="varlen lse")
@@ -194,25 +194,32 @@ def test_varlen_matches_padded():
 
 @needs_kernels
 def test_dropout_mask_keep_rate_and_seeds():
-    keep = _attention_dropout_keep_triton(2, 2, 48, 0.3, 1234, DEVICE)
+    keep = _attention_dropout_keep_triton(2, 2, 48, 0.3, seed_tensor(1234))
     assert keep.shape == (2, 2, 48, 48) and keep.dtype == torch.bool
     rate = keep.float().mean().item()
     assert abs(rate - 0.7) < 0.02, f"keep rate {rate:.4f}, expected 0.7"       # ~5 sigma at n = 9216
-    assert torch.equal(keep, _attention_dropout_keep_triton(2, 2, 48, 0.3, 1234, DEVICE)), "same seed, same mask"
-    assert not torch.equal(keep, _attention_dropout_keep_triton(2, 2, 48, 0.3, 1235, DEVICE))
+    assert torch.equal(keep, _attention_dropout_keep_triton(2, 2, 48, 0.3, seed_tensor(1234))), "same seed, same mask"
+    assert not torch.equal(keep, _attention_dropout_keep_triton(2, 2, 48, 0.3, seed_tensor(1235)))
     assert not torch.equal(keep[0, 0], keep[0, 1]) and not torch.equal(keep[0, 0], keep[1, 0]), \
         "every (batch, head) needs its own stream"
 
 
 @needs_kernels
+@pytest.mark.parametrize("seed", [0, 1234, 2**31 - 2, 2**40 + 3])
+def test_dropout_mask_of_kernels_and_cpu_twin_are_the_same_bits(seed):
+    keep = _attention_dropout_keep_triton(3, 2, 37, 0.3, seed_tensor(seed))
+    assert torch.equal(keep.cpu(), _attention_dropout_keep_cpu(3, 2, 37, 0.3, seed_tensor(seed, "cpu")))
+
+
+@needs_kernels
 def test_dropout_forward_and_backward_use_one_mask():
-    p, seed = 0.3, 77
+    p, seed = 0.3, seed_tensor(77)
     qkv = random_qkv(2, 19, 2, 16)
     valid_lens = torch.tensor([0.0, 11.5], device=DEVICE)
     grad_out = torch.randn(2, 19, 32, device=DEVICE)
     out, lse = _attention_fwd_triton(qkv, valid_lens, 2, p, seed)
     dqkv = _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, 2, p, seed)
-    keep = _attention_dropout_keep_triton(2, 2, 19, p, seed, DEVICE)
+    keep = _attention_dropout_keep_triton(2, 2, 19, p, seed)
     out64, lse64, dqkv64 = reference_with_grad(qkv, grad_out, 2, valid_lens, keep, p)
     # Scaled by 1/(1-p) and masked exactly as `keep` says, in forward and backward.
     assert_close(out, out64, atol=1e-5, what="dropout context")
@@ -222,12 +229,15 @@ def test_dropout_forward_and_backward_use_one_mask():
     assert torch.equal(out, again), "same seed must repeat"
     other, _ = _attention_fwd_triton(qkv, valid_lens, 2, p, seed + 1)
     assert max_err(other, out) > 1e-2, "another seed must drop other weights"
+    # The CPU twin draws the same mask, so it gives the same answer.
+    twin_out, _ = attention_fwd(qkv.cpu(), valid_lens.cpu(), 2, p, seed.cpu())
+    assert_close(out.cpu(), twin_out, atol=1e-5, what="dropout context vs CPU twin")
 
 
 @needs_kernels
 def test_varlen_dropout_matches_padded_dropout():
     # The mask is indexed by (batch, head, query, key) within the padded L: both layouts agree.
-    p, seed, seqlen = 0.25, 5, 17
+    p, seed, seqlen = 0.25, seed_tensor(5), 17
     valid_lens = torch.tensor([9.0, 17.0], device=DEVICE)
     unpadding = ops.unpadding_for(valid_lens, seqlen)
     qkv = random_qkv(2, seqlen, 2, 16)
@@ -237,16 +247,24 @@ def test_varlen_dropout_matches_padded_dropout():
 
 
 def test_cpu_twin_dropout_uses_its_seeded_mask_in_forward_and_backward():
-    p, seed = 0.4, 99
+    p, seed = 0.4, seed_tensor(99, "cpu")
     qkv = torch.randn(2, 6, 12, dtype=torch.float64, requires_grad=True)
     valid_lens = torch.tensor([[1, 0, 6, 2.5, 3, 4], [6, 6, 6, 6, 6, 6]])
     out, _ = attention_fwd(qkv, valid_lens, 2, p, seed)
     grad_out = torch.randn_like(out)
     (dqkv,) = torch.autograd.grad(out, qkv, grad_out)
-    keep = torch.rand(2, 2, 6, 6, generator=torch.Generator().manual_seed(seed)) >= p
+    keep = _attention_dropout_keep_cpu(2, 2, 6, p, seed)
+    assert 0.3 < keep.float().mean().item() < 0.9
     out64, _, dqkv64 = reference_with_grad(qkv, grad_out, 2, valid_lens, keep, p)
     assert_close(out, out64, atol=1e-12, what="twin dropout context")
     assert_close(dqkv, dqkv64, atol=1e-12, what="twin dropout dqkv")
+
+
+def test_dropout_needs_a_seed_tensor():
+    with pytest.raises(ValueError, match="needs a seed"):
+        attention_fwd(QKV, None, 2, 0.1, None)
+    with pytest.raises(ValueError, match="one-element int64 tensor"):
+        attention_fwd(QKV, None, 2, 0.1, torch.tensor([1, 2]))
 
 
 def test_public_dropout_repeats_under_manual_seed():
@@ -262,32 +280,27 @@ def test_public_dropout_repeats_under_manual_seed():
 # Registered ops (CPU twins), gradcheck, public API
 # ----------------------------------------------------------------------------------------------
 
-# A torch.Generator draw needs concrete sizes, so the twins with dropout skip the dynamic-shape test.
-STATIC_ONLY = ("test_schema", "test_autograd_registration", "test_faketensor")
-
-
 @pytest.mark.parametrize("valid_lens, dropout_p", [
     (None, 0.0), (torch.tensor([0, 3.5]), 0.0), (torch.tensor([[1, 0, 5, 2, 9], [3, 3, 3, 3, 3]]), 0.0),
     (torch.tensor([4, 2]), 0.2),
 ], ids=["none", "1d", "2d", "dropout"])
 def test_opcheck_padded(valid_lens, dropout_p):
-    test_utils = STATIC_ONLY if dropout_p else torch.library._OPCHECK_DEFAULT_UTILS
     qkv = torch.randn(2, 5, 12, requires_grad=True)
-    torch.library.opcheck(attention_fwd, (qkv, valid_lens, 2, dropout_p, 7), test_utils=test_utils)
-    out, lse = attention_fwd(qkv.detach(), valid_lens, 2, dropout_p, 7)
-    torch.library.opcheck(attention_bwd, (torch.randn_like(out), qkv.detach(), out, lse, valid_lens, 2, dropout_p, 7),
-                          test_utils=test_utils)
+    seed = seed_tensor(7, "cpu") if dropout_p else None
+    torch.library.opcheck(attention_fwd, (qkv, valid_lens, 2, dropout_p, seed))
+    out, lse = attention_fwd(qkv.detach(), valid_lens, 2, dropout_p, seed)
+    torch.library.opcheck(attention_bwd, (torch.randn_like(out), qkv.detach(), out, lse, valid_lens, 2, dropout_p, seed))
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2])
 def test_opcheck_varlen(dropout_p):
-    test_utils = STATIC_ONLY if dropout_p else torch.library._OPCHECK_DEFAULT_UTILS
     cu_seqlens = torch.tensor([0, 2, 2, 7], dtype=torch.int32)
     qkv = torch.randn(7, 12, requires_grad=True)
-    torch.library.opcheck(varlen_attention_fwd, (qkv, cu_seqlens, 2, 6, dropout_p, 3), test_utils=test_utils)
-    out, lse = varlen_attention_fwd(qkv.detach(), cu_seqlens, 2, 6, dropout_p, 3)
+    seed = seed_tensor(3, "cpu") if dropout_p else None
+    torch.library.opcheck(varlen_attention_fwd, (qkv, cu_seqlens, 2, 6, dropout_p, seed))
+    out, lse = varlen_attention_fwd(qkv.detach(), cu_seqlens, 2, 6, dropout_p, seed)
     torch.library.opcheck(varlen_attention_bwd, (torch.randn_like(out), qkv.detach(), out, lse, cu_seqlens, 2, 6,
-                                                 dropout_p, 3), test_utils=test_utils)
+                                                 dropout_p, seed))
 
 
 def test_gradcheck_through_public_functions():
@@ -356,22 +369,22 @@ BAD_PADDED_CALLS = {
 def test_padded_validation(case):
     (qkv, valid_lens, num_heads, dropout_p), match = BAD_PADDED_CALLS[case]
     with pytest.raises(ValueError, match=match):
-        _attention_fwd_triton(qkv, valid_lens, num_heads, dropout_p, 0)
+        _attention_fwd_triton(qkv, valid_lens, num_heads, dropout_p, None)
     if qkv.dtype.is_floating_point:
         with pytest.raises(ValueError, match=match):
-            attention_fwd(qkv, valid_lens, num_heads, dropout_p, 0)
+            attention_fwd(qkv, valid_lens, num_heads, dropout_p, None)
 
 
 def test_float64_only_on_the_cpu_twin():
     with pytest.raises(ValueError, match="qkv must be one of"):
-        _attention_fwd_triton(QKV.double(), None, 2, 0.0, 0)
-    assert attention_fwd(QKV.double(), None, 2, 0.0, 0)[0].dtype == torch.float64
+        _attention_fwd_triton(QKV.double(), None, 2, 0.0, None)
+    assert attention_fwd(QKV.double(), None, 2, 0.0, None)[0].dtype == torch.float64
 
 
 @needs_kernels
 def test_grid_limit():
     with pytest.raises(ValueError, match=r"batch \* num_heads must be at most 65535"):
-        _attention_fwd_triton(torch.randn(65536, 1, 3, device=DEVICE), None, 1, 0.0, 0)
+        _attention_fwd_triton(torch.randn(65536, 1, 3, device=DEVICE), None, 1, 0.0, None)
 
 
 CU_SEQLENS = torch.tensor([0, 2, 5], dtype=torch.int32)
@@ -388,22 +401,22 @@ BAD_VARLEN_CALLS = {
 def test_varlen_validation(case):
     (qkv, cu_seqlens, num_heads, max_seqlen), match = BAD_VARLEN_CALLS[case]
     with pytest.raises(ValueError, match=match):
-        _varlen_attention_fwd_triton(qkv, cu_seqlens, num_heads, max_seqlen, 0.0, 0)
+        _varlen_attention_fwd_triton(qkv, cu_seqlens, num_heads, max_seqlen, 0.0, None)
     with pytest.raises(ValueError, match=match):
-        varlen_attention_fwd(qkv, cu_seqlens, num_heads, max_seqlen, 0.0, 0)
+        varlen_attention_fwd(qkv, cu_seqlens, num_heads, max_seqlen, 0.0, None)
 
 
 def test_backward_validation():
-    out, lse = attention_fwd(QKV, None, 2, 0.0, 0)
+    out, lse = attention_fwd(QKV, None, 2, 0.0, None)
     with pytest.raises(ValueError, match=r"grad_out must have the context's shape"):
-        _attention_bwd_triton(out[:, :4], QKV, out, lse, None, 2, 0.0, 0)
+        _attention_bwd_triton(out[:, :4], QKV, out, lse, None, 2, 0.0, None)
     with pytest.raises(ValueError, match=r"grad_out must be torch.float32"):
-        attention_bwd(out.double(), QKV, out, lse, None, 2, 0.0, 0)
+        attention_bwd(out.double(), QKV, out, lse, None, 2, 0.0, None)
     with pytest.raises(ValueError, match=r"lse must be the forward's float64"):
-        _attention_bwd_triton(out, QKV, out, lse.float(), None, 2, 0.0, 0)
-    packed_out, packed_lse = varlen_attention_fwd(QKV[0], CU_SEQLENS, 2, 5, 0.0, 0)
+        _attention_bwd_triton(out, QKV, out, lse.float(), None, 2, 0.0, None)
+    packed_out, packed_lse = varlen_attention_fwd(QKV[0], CU_SEQLENS, 2, 5, 0.0, None)
     with pytest.raises(ValueError, match=r"lse must be the forward's float64 \(2, 5\)"):
-        _varlen_attention_bwd_triton(packed_out, QKV[0], packed_out, lse, CU_SEQLENS, 2, 5, 0.0, 0)
+        _varlen_attention_bwd_triton(packed_out, QKV[0], packed_out, lse, CU_SEQLENS, 2, 5, 0.0, None)
 
 
 def test_unknown_backend():

@@ -32,3 +32,21 @@ def test_fullgraph_compile_through_the_registered_triton_ops():
     fast.train()
     compiled(tokens, segments, valid_lens).sum().backward()
     assert fast.blks[0].ffn.dense1.weight.grad is not None
+
+
+def test_fullgraph_compile_with_dropout_through_the_triton_ops():
+    """The dropout seed is a device tensor drawn by torch.randint: no host round trip, so
+    training with dropout traces into one graph, and the graph's seeds follow torch.manual_seed."""
+    torch._dynamo.reset()
+    _, fast = encoder_pair(encoder_config(num_layers=1, dropout=0.3), backend="triton")
+    fast.train()
+    tokens, segments = random_inputs(3, 9, 50)
+    valid_lens = torch.tensor([3, 0, 9])
+    compiled = torch.compile(fast, fullgraph=True)
+    torch.manual_seed(0)
+    first = compiled(tokens, segments, valid_lens)
+    torch.manual_seed(0)
+    assert torch.equal(compiled(tokens, segments, valid_lens), first)
+    assert not torch.equal(compiled(tokens, segments, valid_lens), first), "a new draw, a new mask"
+    first.sum().backward()
+    assert fast.blks[0].attention.W_q.weight.grad is not None

@@ -61,12 +61,6 @@ def uses_triton(backend):
     return backend == "triton"
 
 
-def dropout_seed(dropout_p):
-    """A Philox seed from torch's default CPU generator (no GPU sync), so torch.manual_seed
-    repeats runs; 0 when there is no dropout."""
-    return int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0.0 else 0
-
-
 def launch(kernel):
     """``kernel[grid](...)`` in a form torch.compile can trace (torch.library.wrap_triton)."""
     return torch.library.wrap_triton(kernel)

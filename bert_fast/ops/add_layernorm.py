@@ -34,8 +34,9 @@ import torch
 from torch.library import triton_op
 from torch.nn import functional as F
 
-from ._triton import (as_rows, dropout_seed, KERNEL_DTYPES, launch, reduction_programs,
-                      require_triton, tl, triton, uses_triton)
+from ._philox import check_seed, dropout_keep, dropout_seed
+from ._triton import (as_rows, KERNEL_DTYPES, launch, reduction_programs, require_triton, tl, triton,
+                      uses_triton)
 
 # The whole row lives in registers (one tile row per normalised row).
 MAX_HIDDEN = 8192
@@ -50,7 +51,7 @@ def _add_layernorm_torch(x, residual, weight, bias, eps, dropout_p, training):
 
 @triton.jit
 def _dropped_sum(x_ptr, residual_ptr, rows64, cols, mask, x_row_stride, residual_row_stride,
-                 hidden, dropout_p, keep_scale, seed, HAS_DROPOUT: tl.constexpr):
+                 hidden, dropout_p, keep_scale, seed_ptr, HAS_DROPOUT: tl.constexpr):
     """``residual + dropout(x)`` of a tile in fp32, and the dropout keep mask (the tile mask
     when there is no dropout). Forward and backward both call it, so the backward sees the
     forward's mask: it is keyed on the logical element index, not the memory offset, so it is
@@ -60,15 +61,15 @@ def _dropped_sum(x_ptr, residual_ptr, rows64, cols, mask, x_row_stride, residual
                 other=0.0).to(tl.float32)
     keep = mask
     if HAS_DROPOUT:
-        keep = tl.rand(seed, rows64 * hidden + cols[None, :]) >= dropout_p
+        keep = tl.rand(tl.load(seed_ptr), rows64 * hidden + cols[None, :]) >= dropout_p
         x = tl.where(keep, x * keep_scale, 0.0)
     return s + x, keep
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit
 def _add_layernorm_fwd_kernel(x_ptr, residual_ptr, weight_ptr, bias_ptr, out_ptr, mean_ptr, rstd_ptr,
                               x_row_stride, residual_row_stride, n_rows, hidden, eps,
-                              dropout_p, keep_scale, seed,
+                              dropout_p, keep_scale, seed_ptr,
                               HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                               HAS_DROPOUT: tl.constexpr, BLOCK_H: tl.constexpr,
                               ROWS_PER_PROGRAM: tl.constexpr):
@@ -79,7 +80,7 @@ def _add_layernorm_fwd_kernel(x_ptr, residual_ptr, weight_ptr, bias_ptr, out_ptr
     mask = row_in[:, None] & col_in[None, :]
     rows64 = rows.to(tl.int64)[:, None]
     s, _keep = _dropped_sum(x_ptr, residual_ptr, rows64, cols, mask, x_row_stride,
-                            residual_row_stride, hidden, dropout_p, keep_scale, seed, HAS_DROPOUT)
+                            residual_row_stride, hidden, dropout_p, keep_scale, seed_ptr, HAS_DROPOUT)
     mean = tl.sum(s, axis=1) / hidden
     centered = tl.where(mask, s - mean[:, None], 0.0)
     rstd = tl.rsqrt(tl.sum(centered * centered, axis=1) / hidden + eps)
@@ -93,11 +94,11 @@ def _add_layernorm_fwd_kernel(x_ptr, residual_ptr, weight_ptr, bias_ptr, out_ptr
     tl.store(rstd_ptr + rows, rstd, mask=row_in)
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit
 def _add_layernorm_bwd_kernel(grad_out_ptr, x_ptr, residual_ptr, weight_ptr, mean_ptr, rstd_ptr,
                               d_residual_ptr, d_x_ptr, d_weight_partial_ptr, d_bias_partial_ptr,
                               grad_row_stride, x_row_stride, residual_row_stride, n_rows, hidden,
-                              dropout_p, keep_scale, seed,
+                              dropout_p, keep_scale, seed_ptr,
                               HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                               HAS_DROPOUT: tl.constexpr, BLOCK_H: tl.constexpr,
                               ROWS_PER_PROGRAM: tl.constexpr):
@@ -116,7 +117,7 @@ def _add_layernorm_bwd_kernel(grad_out_ptr, x_ptr, residual_ptr, weight_ptr, mea
         dy = tl.load(grad_out_ptr + rows64 * grad_row_stride + cols[None, :], mask=mask,
                      other=0.0).to(tl.float32)
         s, keep = _dropped_sum(x_ptr, residual_ptr, rows64, cols, mask, x_row_stride,
-                               residual_row_stride, hidden, dropout_p, keep_scale, seed, HAS_DROPOUT)
+                               residual_row_stride, hidden, dropout_p, keep_scale, seed_ptr, HAS_DROPOUT)
         mean = tl.load(mean_ptr + rows, mask=row_in, other=0.0)
         rstd = tl.load(rstd_ptr + rows, mask=row_in, other=0.0)
         x_hat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
@@ -167,7 +168,7 @@ def _check_dropout_p(dropout_p):
         raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
 
 
-def _check_fwd_inputs(x, residual, weight, bias, dropout_p):
+def _check_fwd_inputs(x, residual, weight, bias, seed, dropout_p):
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"x must have shape (..., H) with H >= 1, got {tuple(x.shape)}")
     hidden = x.shape[-1]
@@ -187,11 +188,12 @@ def _check_fwd_inputs(x, residual, weight, bias, dropout_p):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} must be on the device of x ({x.device}), got {t.device}")
     _check_dropout_p(dropout_p)
+    check_seed(seed, dropout_p, x.device)
 
 
 def _add_layernorm_fwd_triton(x, residual, weight, bias, eps, seed, dropout_p):
     """Triton forward: (out shaped like x, mean (rows,) fp32, rstd (rows,) fp32)."""
-    _check_fwd_inputs(x, residual, weight, bias, dropout_p)
+    _check_fwd_inputs(x, residual, weight, bias, seed, dropout_p)
     require_triton(x, residual, weight, bias)
     hidden = x.shape[-1]
     x2, residual2 = as_rows(x, hidden), as_rows(residual, hidden)
@@ -210,8 +212,8 @@ def _add_layernorm_fwd_triton(x, residual, weight, bias, eps, seed, dropout_p):
     return out.view(x.shape), mean, rstd
 
 
-def _check_bwd_inputs(grad_out, x, residual, weight, mean, rstd, dropout_p):
-    _check_fwd_inputs(x, residual, weight, None, dropout_p)
+def _check_bwd_inputs(grad_out, x, residual, weight, mean, rstd, seed, dropout_p):
+    _check_fwd_inputs(x, residual, weight, None, seed, dropout_p)
     if grad_out.shape != x.shape or grad_out.dtype != x.dtype:
         raise ValueError(f"grad_out must match x: shape {tuple(x.shape)} and dtype {x.dtype}, got "
                          f"{tuple(grad_out.shape)} and {grad_out.dtype}")
@@ -228,7 +230,7 @@ def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, d
     Gradients this call need not compute come back as empty (0-element) tensors: d_x when
     dropout_p == 0 (it equals d_residual), d_weight when weight is None, d_bias when not has_bias.
     """
-    _check_bwd_inputs(grad_out, x, residual, weight, mean, rstd, dropout_p)
+    _check_bwd_inputs(grad_out, x, residual, weight, mean, rstd, seed, dropout_p)
     require_triton(grad_out, x, residual, weight, mean, rstd)
     hidden = x.shape[-1]
     grad2, x2, residual2 = (as_rows(t, hidden) for t in (grad_out, x, residual))
@@ -259,11 +261,10 @@ def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, d
 
 
 def _dropout_keep_scale_cpu(x, seed, dropout_p, dtype):
-    """The CPU twins' dropout as a factor (0 or 1/(1-p)); the same seed gives the same mask."""
-    generator = torch.Generator().manual_seed(seed)
-    # uniform_ rather than torch.rand(shape, generator=...), which rejects symbolic shapes.
-    keep = torch.empty(x.shape, device=x.device).uniform_(generator=generator) >= dropout_p
-    return keep.to(dtype) * _keep_scale(dropout_p)
+    """The CPU twins' dropout as a factor (0 or 1/(1-p)) for (rows, H) ``x``: the kernels'
+    mask, element (r, c) drawn with counter r * H + c."""
+    offsets = torch.arange(x.numel(), dtype=torch.int64, device=x.device).view(x.shape)
+    return dropout_keep(seed, dropout_p, offsets).to(dtype) * _keep_scale(dropout_p)
 
 
 def _stats_dtype(dtype):
@@ -273,6 +274,7 @@ def _stats_dtype(dtype):
 
 def _add_layernorm_fwd_cpu(x, residual, weight, bias, eps, seed, dropout_p):
     _check_dropout_p(dropout_p)
+    check_seed(seed, dropout_p, x.device)
     acc, x_dtype, shape, hidden = _stats_dtype(x.dtype), x.dtype, x.shape, x.shape[-1]
     x = x.reshape(-1, hidden).to(acc)
     if dropout_p > 0.0:
@@ -290,6 +292,7 @@ def _add_layernorm_fwd_cpu(x, residual, weight, bias, eps, seed, dropout_p):
 
 def _add_layernorm_bwd_cpu(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias):
     _check_dropout_p(dropout_p)
+    check_seed(seed, dropout_p, x.device)
     acc = mean.dtype
     hidden = x.shape[-1]
     dy = grad_out.reshape(-1, hidden).to(acc)
@@ -308,7 +311,7 @@ def _add_layernorm_bwd_cpu(grad_out, x, residual, weight, mean, rstd, seed, drop
 
 @triton_op("bert_fast::add_layernorm_fwd", mutates_args=())
 def add_layernorm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
-                      bias: torch.Tensor | None, eps: float, seed: int,
+                      bias: torch.Tensor | None, eps: float, seed: torch.Tensor | None,
                       dropout_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(LayerNorm(residual + dropout(x)), mean, rstd); dropout_p = 0 turns dropout off."""
     if x.device.type == "cpu":
@@ -318,7 +321,8 @@ def add_layernorm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
 
 @triton_op("bert_fast::add_layernorm_bwd", mutates_args=())
 def add_layernorm_bwd(grad_out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor,
-                      weight: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor, seed: int,
+                      weight: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor,
+                      seed: torch.Tensor | None,
                       dropout_p: float, has_bias: bool
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d_residual, d_x, d_weight, d_bias); see _add_layernorm_bwd_triton for the empty ones."""
@@ -332,15 +336,15 @@ def add_layernorm_bwd(grad_out: torch.Tensor, x: torch.Tensor, residual: torch.T
 def _setup_context(ctx, inputs, output):
     x, residual, weight, bias, _eps, seed, dropout_p = inputs
     _out, mean, rstd = output
-    ctx.save_for_backward(x, residual, weight, mean, rstd)
-    ctx.seed, ctx.dropout_p, ctx.has_bias = seed, dropout_p, bias is not None
+    ctx.save_for_backward(x, residual, weight, mean, rstd, seed)
+    ctx.dropout_p, ctx.has_bias = dropout_p, bias is not None
     ctx.mark_non_differentiable(mean, rstd)
 
 
 def _backward(ctx, grad_out, _grad_mean, _grad_rstd):
-    x, residual, weight, mean, rstd = ctx.saved_tensors
+    x, residual, weight, mean, rstd, seed = ctx.saved_tensors
     d_residual, d_x, d_weight, d_bias = add_layernorm_bwd(
-        grad_out, x, residual, weight, mean, rstd, ctx.seed, ctx.dropout_p, ctx.has_bias)
+        grad_out, x, residual, weight, mean, rstd, seed, ctx.dropout_p, ctx.has_bias)
     return (d_x if ctx.dropout_p > 0.0 else d_residual, d_residual,
             d_weight if weight is not None else None, d_bias if ctx.has_bias else None,
             None, None, None)
@@ -354,12 +358,12 @@ def add_layernorm(x, residual, weight, bias, eps=1e-5, dropout_p=0.0, training=F
     """``LayerNorm(residual + dropout(x))`` over the last dim; weight/bias may be None.
 
     backend="torch": F.dropout + F.layer_norm. backend="triton": the registered ops (Triton
-    kernels on CUDA, their PyTorch twins on CPU); the dropout seed is drawn from torch's
-    default CPU generator, so ``torch.manual_seed`` makes a run repeatable.
+    kernels on CUDA, their PyTorch twins on CPU); the dropout seed is drawn on the inputs'
+    device (see _philox.py), so ``torch.manual_seed`` makes a run repeatable.
     """
     if not uses_triton(backend):
         return _add_layernorm_torch(x, residual, weight, bias, eps, dropout_p, training)
     dropout_p = float(dropout_p) if training else 0.0
-    seed = dropout_seed(dropout_p)
+    seed = dropout_seed(dropout_p, x.device)
     out, _mean, _rstd = add_layernorm_fwd(x, residual, weight, bias, float(eps), seed, dropout_p)
     return out

@@ -27,8 +27,9 @@ its weights as exp(score - LSE) would get 1/L wrong by up to ~4%. Kernels read t
 per row and split it into two fp32 parts; all per-element math stays fp32.
 
 Dropout on the weights: keep (b, h, i, j) iff philox(seed, counter=(i * L + j, b * heads + h))
-mapped to [0, 1) is >= p, kept weights scaled by 1/(1-p). The counter is unique per element for
-L <= 65536, and the backward kernels regenerate the same bits.
+mapped to [0, 1) is >= p (the mask definition of _philox.py: the CPU twins draw the same bits),
+kept weights scaled by 1/(1-p); ``seed`` is a one-element int64 tensor on the device. The
+counter is unique per element for L <= 65536, and the backward kernels regenerate the same bits.
 
 Cost model, per (batch, head) with sequence length L and head dim d (e = bytes per element):
   forward   2 GEMMs (Q K^T, P V): 4 L^2 d FLOPs. HBM: Q, K, V read once per query block (K, V
@@ -51,7 +52,8 @@ from torch.library import triton_op
 from torch.nn import functional as F
 
 from ..reference import MASK_VALUE
-from ._triton import dropout_seed, interpreting, launch, require_triton, tl, triton, uses_triton
+from ._philox import check_seed, dropout_keep, dropout_seed
+from ._triton import interpreting, launch, require_triton, tl, triton, uses_triton
 from .padding import pad, unpad
 
 
@@ -123,11 +125,11 @@ def _sequence_span(cu_seqlens, b, max_seqlen, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _dropout_keep(seed, bh, queries, keys, max_seqlen, dropout_p):
+def _dropout_keep(seed_ptr, bh, queries, keys, max_seqlen, dropout_p):
     """Keep mask for broadcastable query / key index blocks of (batch * heads + head) ``bh``."""
     counter = (queries.to(tl.int64) * max_seqlen + keys).to(tl.uint32)
     zero = counter * 0
-    bits, _, _, _ = tl.philox(seed, counter, zero + bh.to(tl.uint32), zero, zero)
+    bits, _, _, _ = tl.philox(tl.load(seed_ptr), counter, zero + bh.to(tl.uint32), zero, zero)
     return tl.uint_to_uniform_float(bits) >= dropout_p
 
 
@@ -139,14 +141,14 @@ def _split_lse(lse):
     return hi, (lse2 - hi.to(tl.float64)).to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit
 def _attention_fwd_kernel(
         qkv, out, lse, visible_counts, cu_seqlens,
         stride_qkv_b, stride_qkv_l, stride_qkv_f,
         stride_out_b, stride_out_l, stride_out_f,
         stride_lse_b, stride_lse_h, stride_lse_l,
         stride_counts_b, stride_counts_l,
-        num_heads, head_dim, max_seqlen, sm_scale, dropout_p, seed,
+        num_heads, head_dim, max_seqlen, sm_scale, dropout_p, seed_ptr,
         HAS_VALID_LENS: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -197,7 +199,7 @@ def _attention_fwd_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
-            keep = _dropout_keep(seed, bh, queries[:, None], keys[None, :], max_seqlen, dropout_p)
+            keep = _dropout_keep(seed_ptr, bh, queries[:, None], keys[None, :], max_seqlen, dropout_p)
             p = tl.where(keep, p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -241,7 +243,7 @@ def _attention_bwd_preprocess_kernel(
              tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit
 def _attention_bwd_dkdv_kernel(
         qkv, dout, lse, delta, dqkv, visible_counts, cu_seqlens,
         stride_qkv_b, stride_qkv_l, stride_qkv_f,
@@ -249,7 +251,7 @@ def _attention_bwd_dkdv_kernel(
         stride_dqkv_b, stride_dqkv_l, stride_dqkv_f,
         stride_lse_b, stride_lse_h, stride_lse_l,
         stride_counts_b, stride_counts_l,
-        num_heads, head_dim, max_seqlen, sm_scale, dropout_p, seed,
+        num_heads, head_dim, max_seqlen, sm_scale, dropout_p, seed_ptr,
         HAS_VALID_LENS: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -306,7 +308,7 @@ def _attention_bwd_dkdv_kernel(
         p_t = tl.exp2(s_t - lse_hi[None, :] - lse_lo[None, :])
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
-            keep_t = _dropout_keep(seed, bh, queries[None, :], keys[:, None], max_seqlen, dropout_p)
+            keep_t = _dropout_keep(seed_ptr, bh, queries[None, :], keys[:, None], max_seqlen, dropout_p)
             keep_scale = 1.0 / (1.0 - dropout_p)
             z_t = tl.where(keep_t, p_t * keep_scale, 0.0)
             dp_t = tl.where(keep_t, dp_t * keep_scale, 0.0)
@@ -325,7 +327,7 @@ def _attention_bwd_dkdv_kernel(
     tl.store(dqkv + 2 * hidden * stride_dqkv_f + d_offsets, dv.to(dqkv.dtype.element_ty), mask=kv_mask)
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit
 def _attention_bwd_dq_kernel(
         qkv, dout, lse, delta, dqkv, visible_counts, cu_seqlens,
         stride_qkv_b, stride_qkv_l, stride_qkv_f,
@@ -333,7 +335,7 @@ def _attention_bwd_dq_kernel(
         stride_dqkv_b, stride_dqkv_l, stride_dqkv_f,
         stride_lse_b, stride_lse_h, stride_lse_l,
         stride_counts_b, stride_counts_l,
-        num_heads, head_dim, max_seqlen, sm_scale, dropout_p, seed,
+        num_heads, head_dim, max_seqlen, sm_scale, dropout_p, seed_ptr,
         HAS_VALID_LENS: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -387,7 +389,7 @@ def _attention_bwd_dq_kernel(
         p = tl.exp2(s - lse_hi[:, None] - lse_lo[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
-            keep = _dropout_keep(seed, bh, queries[:, None], keys[None, :], max_seqlen, dropout_p)
+            keep = _dropout_keep(seed_ptr, bh, queries[:, None], keys[None, :], max_seqlen, dropout_p)
             dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta_rows[:, None])
         if HAS_VALID_LENS:
@@ -399,14 +401,14 @@ def _attention_bwd_dq_kernel(
              dq.to(dqkv.dtype.element_ty), mask=q_mask)
 
 
-@triton.jit(do_not_specialize=["seed"])
-def _attention_dropout_keep_kernel(keep, max_seqlen, dropout_p, seed,
+@triton.jit
+def _attention_dropout_keep_kernel(keep, max_seqlen, dropout_p, seed_ptr,
                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Materialise the kernels' keep mask (B, heads, L, L) as int8: for tests only."""
     queries = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     keys = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     bh = tl.program_id(2)
-    kept = _dropout_keep(seed, bh, queries[:, None], keys[None, :], max_seqlen, dropout_p)
+    kept = _dropout_keep(seed_ptr, bh, queries[:, None], keys[None, :], max_seqlen, dropout_p)
     tl.store(keep + bh.to(tl.int64) * max_seqlen * max_seqlen + queries[:, None] * max_seqlen + keys[None, :],
              kept.to(tl.int8), mask=(queries < max_seqlen)[:, None] & (keys < max_seqlen)[None, :])
 
@@ -475,15 +477,16 @@ def _check_qkv(qkv, num_heads, layout, dtypes):
     return head_dim
 
 
-def _check_dropout(dropout_p, max_seqlen):
+def _check_dropout(dropout_p, max_seqlen, seed, device):
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if dropout_p > 0.0 and max_seqlen > _MAX_DROPOUT_SEQLEN:
         raise ValueError(f"attention dropout supports sequences up to {_MAX_DROPOUT_SEQLEN} tokens, "
                          f"got {max_seqlen}")
+    check_seed(seed, dropout_p, device)
 
 
-def _check_attention_inputs(qkv, valid_lens, num_heads, dropout_p, dtypes=_DTYPES):
+def _check_attention_inputs(qkv, valid_lens, num_heads, dropout_p, seed, dtypes=_DTYPES):
     head_dim = _check_qkv(qkv, num_heads, "(B, L, 3H)", dtypes)
     batch, seqlen = qkv.shape[:2]
     if valid_lens is not None:
@@ -494,11 +497,11 @@ def _check_attention_inputs(qkv, valid_lens, num_heads, dropout_p, dtypes=_DTYPE
             raise ValueError(f"valid_lens must be an integer or floating point tensor, got {valid_lens.dtype}")
         if valid_lens.device != qkv.device:
             raise ValueError(f"valid_lens is on {valid_lens.device} but qkv is on {qkv.device}")
-    _check_dropout(dropout_p, seqlen)
+    _check_dropout(dropout_p, seqlen, seed, qkv.device)
     return head_dim
 
 
-def _check_varlen_inputs(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, dtypes=_DTYPES):
+def _check_varlen_inputs(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed, dtypes=_DTYPES):
     head_dim = _check_qkv(qkv, num_heads, "(N, 3H)", dtypes)
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
         raise ValueError(f"cu_seqlens must be 1-D (B+1,) with B >= 1, got shape {tuple(cu_seqlens.shape)}")
@@ -508,7 +511,7 @@ def _check_varlen_inputs(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, dtyp
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but qkv is on {qkv.device}")
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
         raise ValueError(f"max_seqlen must be an int >= 0 (at least the longest sequence), got {max_seqlen!r}")
-    _check_dropout(dropout_p, max_seqlen)
+    _check_dropout(dropout_p, max_seqlen, seed, qkv.device)
     return head_dim
 
 
@@ -593,7 +596,7 @@ def _launch_bwd(grad_out, qkv, out, lse, dqkv, counts, cu_seqlens, batch, num_he
 
 def _attention_fwd_triton(qkv, valid_lens, num_heads, dropout_p, seed):
     """(B, L, 3H) packed projection -> context (B, L, H) and fp64 LSE (B, heads, L)."""
-    head_dim = _check_attention_inputs(qkv, valid_lens, num_heads, dropout_p)
+    head_dim = _check_attention_inputs(qkv, valid_lens, num_heads, dropout_p, seed)
     require_triton(qkv, valid_lens)
     batch, seqlen, _ = qkv.shape
     out = qkv.new_empty(batch, seqlen, num_heads * head_dim)
@@ -605,7 +608,7 @@ def _attention_fwd_triton(qkv, valid_lens, num_heads, dropout_p, seed):
 
 def _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed):
     """Gradient of the packed projection, (B, L, 3H), from the forward's context and LSE."""
-    head_dim = _check_attention_inputs(qkv, valid_lens, num_heads, dropout_p)
+    head_dim = _check_attention_inputs(qkv, valid_lens, num_heads, dropout_p, seed)
     batch, seqlen, _ = qkv.shape
     _check_bwd_inputs(grad_out, out, lse, qkv, num_heads, head_dim, (batch, num_heads, seqlen))
     require_triton(grad_out, qkv, out, lse, valid_lens)
@@ -621,7 +624,7 @@ def _varlen_attention_fwd_triton(qkv, cu_seqlens, num_heads, max_seqlen, dropout
 
     ``max_seqlen`` must be >= every sequence's length (the padded L); ``cu_seqlens[-1] == N``.
     """
-    head_dim = _check_varlen_inputs(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p)
+    head_dim = _check_varlen_inputs(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
     require_triton(qkv, cu_seqlens)
     num_tokens = qkv.shape[0]
     # Zeros: rows that belong to no sequence are never written.
@@ -634,7 +637,7 @@ def _varlen_attention_fwd_triton(qkv, cu_seqlens, num_heads, max_seqlen, dropout
 
 def _varlen_attention_bwd_triton(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed):
     """Gradient of the packed valid tokens' projection, (N, 3H)."""
-    head_dim = _check_varlen_inputs(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p)
+    head_dim = _check_varlen_inputs(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
     _check_bwd_inputs(grad_out, out, lse, qkv, num_heads, head_dim, (num_heads, qkv.shape[0]))
     require_triton(grad_out, qkv, out, lse, cu_seqlens)
     dqkv = torch.zeros(qkv.shape, dtype=qkv.dtype, device=qkv.device)
@@ -643,9 +646,9 @@ def _varlen_attention_bwd_triton(grad_out, qkv, out, lse, cu_seqlens, num_heads,
     return dqkv
 
 
-def _attention_dropout_keep_triton(batch, num_heads, max_seqlen, dropout_p, seed, device):
+def _attention_dropout_keep_triton(batch, num_heads, max_seqlen, dropout_p, seed):
     """The keep mask (B, heads, L, L) the kernels apply for this seed: lets tests rebuild it."""
-    keep = torch.empty(batch, num_heads, max_seqlen, max_seqlen, dtype=torch.int8, device=device)
+    keep = torch.empty(batch, num_heads, max_seqlen, max_seqlen, dtype=torch.int8, device=seed.device)
     require_triton(keep)
     block_m = block_n = 16 if interpreting() else 64
     grid = (triton.cdiv(max_seqlen, block_m), triton.cdiv(max_seqlen, block_n), batch * num_heads)
@@ -668,6 +671,15 @@ def _merge_heads_cpu(x):
     return x.transpose(1, 2).flatten(2)
 
 
+def _attention_dropout_keep_cpu(batch, num_heads, max_seqlen, dropout_p, seed):
+    """The kernels' keep mask (B, heads, L, L), bit for bit: counters (query * L + key,
+    batch * heads + head), see _dropout_keep."""
+    positions = torch.arange(max_seqlen, dtype=torch.int64, device=seed.device)
+    counter = (positions[:, None] * max_seqlen + positions[None, :]) & 0xFFFFFFFF
+    bh = torch.arange(batch * num_heads, dtype=torch.int64, device=seed.device).view(batch, num_heads, 1, 1)
+    return dropout_keep(seed, dropout_p, counter, bh)
+
+
 def _attention_weights_cpu(q, k, valid_lens, dropout_p, seed):
     """Scores with the reference's replacement, softmax, the visible mask and the dropout factor."""
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
@@ -680,15 +692,13 @@ def _attention_weights_cpu(q, k, valid_lens, dropout_p, seed):
     probs = torch.softmax(scores, dim=-1)
     dropout_scale = None
     if dropout_p > 0.0:
-        # Its own generator: the same mask in forward and backward, the default one untouched.
-        # (A draw needs concrete sizes: this twin does not trace with symbolic shapes.)
-        uniform = torch.rand(probs.shape, generator=torch.Generator().manual_seed(seed))
-        dropout_scale = (uniform >= dropout_p).to(probs.dtype) / (1.0 - dropout_p)
+        keep = _attention_dropout_keep_cpu(*probs.shape[:3], dropout_p, seed)
+        dropout_scale = keep.to(probs.dtype) / (1.0 - dropout_p)
     return scores, probs, visible, dropout_scale
 
 
 def _attention_fwd_cpu(qkv, valid_lens, num_heads, dropout_p, seed):
-    _check_attention_inputs(qkv, valid_lens, num_heads, dropout_p, _CPU_DTYPES)
+    _check_attention_inputs(qkv, valid_lens, num_heads, dropout_p, seed, _CPU_DTYPES)
     q, k, v = _split_heads_cpu(qkv, num_heads)
     scores, probs, _, dropout_scale = _attention_weights_cpu(q, k, valid_lens, dropout_p, seed)
     weights = probs if dropout_scale is None else probs * dropout_scale
@@ -698,7 +708,7 @@ def _attention_fwd_cpu(qkv, valid_lens, num_heads, dropout_p, seed):
 
 def _attention_bwd_cpu(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed):
     """Exact: recomputes the softmax from the scores (the LSE is only the kernels' shortcut)."""
-    head_dim = _check_attention_inputs(qkv, valid_lens, num_heads, dropout_p, _CPU_DTYPES)
+    head_dim = _check_attention_inputs(qkv, valid_lens, num_heads, dropout_p, seed, _CPU_DTYPES)
     _check_bwd_inputs(grad_out, out, lse, qkv, num_heads, head_dim, (qkv.shape[0], num_heads, qkv.shape[1]))
     q, k, v = _split_heads_cpu(qkv, num_heads)
     _, probs, visible, dropout_scale = _attention_weights_cpu(q, k, valid_lens, dropout_p, seed)
@@ -728,7 +738,7 @@ def _padded_cpu(x, rows, batch, max_seqlen):
 
 def _varlen_attention_fwd_cpu(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed):
     """Through the padded twin: sequence b sees its cu_seqlens[b+1] - cu_seqlens[b] keys."""
-    _check_varlen_inputs(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, _CPU_DTYPES)
+    _check_varlen_inputs(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed, _CPU_DTYPES)
     batch = cu_seqlens.shape[0] - 1
     rows = _padded_rows_cpu(cu_seqlens, qkv.shape[0], max_seqlen)
     out, lse = _attention_fwd_cpu(_padded_cpu(qkv, rows, batch, max_seqlen), cu_seqlens.diff(),
@@ -737,7 +747,7 @@ def _varlen_attention_fwd_cpu(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p,
 
 
 def _varlen_attention_bwd_cpu(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed):
-    head_dim = _check_varlen_inputs(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, _CPU_DTYPES)
+    head_dim = _check_varlen_inputs(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed, _CPU_DTYPES)
     _check_bwd_inputs(grad_out, out, lse, qkv, num_heads, head_dim, (num_heads, qkv.shape[0]))
     batch = cu_seqlens.shape[0] - 1
     rows = _padded_rows_cpu(cu_seqlens, qkv.shape[0], max_seqlen)
@@ -754,7 +764,7 @@ def _varlen_attention_bwd_cpu(grad_out, qkv, out, lse, cu_seqlens, num_heads, ma
 
 @triton_op("bert_fast::attention_fwd", mutates_args=())
 def attention_fwd(qkv: torch.Tensor, valid_lens: torch.Tensor | None, num_heads: int, dropout_p: float,
-                  seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Self-attention of a packed (B, L, 3H) projection -> (context (B, L, H), fp64 LSE (B, heads, L))."""
     if qkv.device.type == "cpu":
         return _attention_fwd_cpu(qkv, valid_lens, num_heads, dropout_p, seed)
@@ -763,7 +773,8 @@ def attention_fwd(qkv: torch.Tensor, valid_lens: torch.Tensor | None, num_heads:
 
 @triton_op("bert_fast::attention_bwd", mutates_args=())
 def attention_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                  valid_lens: torch.Tensor | None, num_heads: int, dropout_p: float, seed: int) -> torch.Tensor:
+                  valid_lens: torch.Tensor | None, num_heads: int, dropout_p: float,
+                  seed: torch.Tensor | None) -> torch.Tensor:
     """Gradient (B, L, 3H) of the packed projection."""
     if qkv.device.type == "cpu":
         return _attention_bwd_cpu(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed)
@@ -772,7 +783,7 @@ def attention_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, 
 
 @triton_op("bert_fast::varlen_attention_fwd", mutates_args=())
 def varlen_attention_fwd(qkv: torch.Tensor, cu_seqlens: torch.Tensor, num_heads: int, max_seqlen: int,
-                         dropout_p: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+                         dropout_p: float, seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Self-attention within each sequence of packed (N, 3H) tokens -> ((N, H), fp64 LSE (heads, N))."""
     if qkv.device.type == "cpu":
         return _varlen_attention_fwd_cpu(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
@@ -782,7 +793,7 @@ def varlen_attention_fwd(qkv: torch.Tensor, cu_seqlens: torch.Tensor, num_heads:
 @triton_op("bert_fast::varlen_attention_bwd", mutates_args=())
 def varlen_attention_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                          cu_seqlens: torch.Tensor, num_heads: int, max_seqlen: int, dropout_p: float,
-                         seed: int) -> torch.Tensor:
+                         seed: torch.Tensor | None) -> torch.Tensor:
     """Gradient (N, 3H) of the packed valid tokens' projection."""
     if qkv.device.type == "cpu":
         return _varlen_attention_bwd_cpu(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
@@ -790,29 +801,29 @@ def varlen_attention_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, out: torch.T
 
 
 def _attention_setup_context(ctx, inputs, output):
-    qkv, valid_lens, ctx.num_heads, ctx.dropout_p, ctx.seed = inputs
+    qkv, valid_lens, ctx.num_heads, ctx.dropout_p, seed = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(qkv, valid_lens, out, lse)
+    ctx.save_for_backward(qkv, valid_lens, out, lse, seed)
 
 
 def _attention_backward(ctx, grad_out, grad_lse):
-    qkv, valid_lens, out, lse = ctx.saved_tensors
-    dqkv = attention_bwd(grad_out, qkv, out, lse, valid_lens, ctx.num_heads, ctx.dropout_p, ctx.seed)
+    qkv, valid_lens, out, lse, seed = ctx.saved_tensors
+    dqkv = attention_bwd(grad_out, qkv, out, lse, valid_lens, ctx.num_heads, ctx.dropout_p, seed)
     return dqkv, None, None, None, None
 
 
 def _varlen_attention_setup_context(ctx, inputs, output):
-    qkv, cu_seqlens, ctx.num_heads, ctx.max_seqlen, ctx.dropout_p, ctx.seed = inputs
+    qkv, cu_seqlens, ctx.num_heads, ctx.max_seqlen, ctx.dropout_p, seed = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(qkv, cu_seqlens, out, lse)
+    ctx.save_for_backward(qkv, cu_seqlens, out, lse, seed)
 
 
 def _varlen_attention_backward(ctx, grad_out, grad_lse):
-    qkv, cu_seqlens, out, lse = ctx.saved_tensors
+    qkv, cu_seqlens, out, lse, seed = ctx.saved_tensors
     dqkv = varlen_attention_bwd(grad_out, qkv, out, lse, cu_seqlens, ctx.num_heads, ctx.max_seqlen,
-                                ctx.dropout_p, ctx.seed)
+                                ctx.dropout_p, seed)
     return dqkv, None, None, None, None, None
 
 
@@ -827,7 +838,7 @@ varlen_attention_fwd.register_autograd(_varlen_attention_backward, setup_context
 def packed_self_attention(qkv, num_heads, valid_lens=None, dropout_p=0.0, *, backend="torch"):
     """Self-attention reading Q, K, V straight from a (B, L, 3H) packed projection."""
     if uses_triton(backend):
-        return attention_fwd(qkv, valid_lens, num_heads, float(dropout_p), dropout_seed(dropout_p))[0]
+        return attention_fwd(qkv, valid_lens, num_heads, float(dropout_p), dropout_seed(dropout_p, qkv.device))[0]
     q, k, v = qkv.chunk(3, dim=-1)
     return attention(q, k, v, num_heads, valid_lens, dropout_p)
 
@@ -846,7 +857,7 @@ def unpadded_self_attention(qkv, num_heads, unpadding, valid_lens, dropout_p=0.0
     """
     if uses_triton(backend):
         return varlen_attention_fwd(qkv, unpadding.cu_seqlens, num_heads, unpadding.seqlen,
-                                    float(dropout_p), dropout_seed(dropout_p))[0]
+                                    float(dropout_p), dropout_seed(dropout_p, qkv.device))[0]
     hidden = qkv.shape[-1] // 3
     if per_sequence is None:
         per_sequence = qkv.device.type == "cpu"

@@ -1,0 +1,89 @@
+"""The dropout masks of the fused ops, and the seed they are drawn from.
+
+One definition for every backend (csrc/philox.h states it in C++): an element with 64-bit
+counter ``offset`` is kept iff
+
+    uniform(word 0 of Philox4x32-10, key = seed, counter = (offset_lo, offset_hi, 0, 0)) >= p
+
+with ``uniform`` the map of ``triton.language.rand``. The Triton kernels call ``tl.rand`` /
+``tl.philox``; the CPU twins here compute the same bits with int64 tensor arithmetic, so a
+kernel's dropout can be compared with its twin bit for bit, and the C++/CUDA ops with both.
+
+The seed is a one-element int64 tensor on the inputs' device, drawn with ``torch.randint``
+from that device's default generator: no host round trip, so the ops keep working under CUDA
+graphs and ``torch.compile(fullgraph=True)``, and ``torch.manual_seed`` repeats a run.
+"""
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
+_KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
+# tl.rand's scale: the largest float such that (2**31 - 1) * scale < 1.
+_UNIFORM_SCALE = 4.6566127342e-10
+
+
+def dropout_seed(dropout_p, device):
+    """The seed tensor for one dropout draw, or None when there is no dropout."""
+    if dropout_p <= 0.0:
+        return None
+    return torch.randint(2**31 - 1, (1,), dtype=torch.int64, device=device)
+
+
+def _mul_hi_lo(constant, x):
+    """High and low 32 bits of constant * x for uint32 values held in int64 (no overflow:
+    the product is formed from 16-bit halves of x)."""
+    low_part, high_part = (x & 0xFFFF) * constant, (x >> 16) * constant     # each < 2**48
+    hi = (high_part + (low_part >> 16)) >> 16
+    lo = (((high_part & 0xFFFF) << 16) + low_part) & _MASK32
+    return hi, lo
+
+
+def philox_bits(seed, c0, c1):
+    """Word 0 of Philox4x32-10 for counters (c0, c1, 0, 0): uint32 values in an int64 tensor.
+
+    ``seed``: one-element int64 tensor; ``c0``, ``c1``: int64 tensors of uint32 values
+    (broadcastable). Matches ``tl.philox(seed, c0, c1, 0, 0)[0]`` with 32-bit counters.
+    """
+    seed = seed.reshape(()).to(torch.int64)
+    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    c0, c1 = torch.broadcast_tensors(c0, c1)
+    c2 = c3 = torch.zeros_like(c0)
+    for _ in range(10):
+        hi_b, lo_b = _mul_hi_lo(_ROUND_B, c2)
+        hi_a, lo_a = _mul_hi_lo(_ROUND_A, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _KEY_A) & _MASK32, (k1 + _KEY_B) & _MASK32
+    return c0
+
+
+def philox_uniform(bits):
+    """``tl.uint_to_uniform_float`` of uint32 bits (int64 tensor) -> float32 in [0, 1)."""
+    # As int32, negative values v map to ~v = -v - 1; for the uint32 value u that is 2**32 - 1 - u.
+    folded = torch.where(bits >= 2**31, _MASK32 - bits, bits)
+    return folded.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32, device=bits.device)
+
+
+def dropout_keep(seed, dropout_p, c0, c1=None):
+    """Boolean keep mask: ``philox_uniform(philox_bits(seed, c0, c1)) >= dropout_p``.
+
+    With ``c1`` None, ``c0`` is a 64-bit counter (int64 tensor) split into its two halves,
+    as ``tl.rand(seed, offset)`` does for an int64 offset.
+    """
+    if c1 is None:
+        c0, c1 = c0 & _MASK32, (c0 >> 32) & _MASK32
+    return philox_uniform(philox_bits(seed, c0, c1)) >= torch.tensor(dropout_p, dtype=torch.float32)
+
+
+def check_seed(seed, dropout_p, device):
+    """A dropout op's seed: a one-element int64 tensor on ``device`` when dropout_p > 0."""
+    if dropout_p <= 0.0:
+        return
+    if seed is None:
+        raise ValueError(f"dropout_p = {dropout_p} needs a seed: a one-element int64 tensor "
+                         f"(bert_fast.ops._philox.dropout_seed)")
+    if not isinstance(seed, torch.Tensor) or seed.dtype != torch.int64 or seed.numel() != 1:
+        got = f"{seed.dtype} of shape {tuple(seed.shape)}" if isinstance(seed, torch.Tensor) else repr(seed)
+        raise ValueError(f"seed must be a one-element int64 tensor, got {got}")
+    if seed.device != device:
+        raise ValueError(f"seed must be on the inputs' device ({device}), got {seed.device}")
