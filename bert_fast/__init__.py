@@ -2,10 +2,11 @@
 
 from . import ops, reference
 from .convert import optimize
+from .extension import build_extension
 from .modules import (FastAddNorm, FastBERTEncoder, FastBERTModel, FastEncoderBlock,
                       FastMultiHeadAttention, FastPositionWiseFFN)
 
 __version__ = "0.1.0"
 
 __all__ = ["FastBERTEncoder", "FastBERTModel", "FastEncoderBlock", "FastMultiHeadAttention",
-           "FastAddNorm", "FastPositionWiseFFN", "optimize", "ops", "reference"]
+           "FastAddNorm", "FastPositionWiseFFN", "optimize", "build_extension", "ops", "reference"]

@@ -3,6 +3,9 @@
   torch   fused PyTorch (SDPA, cuBLAS/MKL GEMMs): every device; the CPU default.
   triton  our Triton kernels on CUDA tensors. The same registered ops run their plain-PyTorch
           CPU twins on CPU tensors, so a "triton" model still works on the CPU.
+  cuda    the compiled extension (csrc/) for the ops it has (embedding_sum, add_layernorm: CUDA
+          kernels on GPU, C++ on CPU), the Triton ops for the others. Needs the extension
+          built (bert_fast.extension).
   auto    (the default) decided per call from the inputs' device, so a model moved between
           devices keeps working: triton for CUDA inputs once the Triton kernels have passed
           the GPU tests on a GPU (AUTO_USES_TRITON_ON_CUDA), else torch.
@@ -14,32 +17,33 @@ so, never a silent fallback.
 
 import os
 
+from . import extension
 from .ops._triton import HAS_TRITON
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cuda")
 # The Triton kernels have so far run only in Triton's interpreter (CPU); until the GPU test
 # suite has passed on a GPU, "auto" keeps CUDA inputs on the torch path. Flip it then.
 AUTO_USES_TRITON_ON_CUDA = False
-PLANNED_BACKENDS = ("cuda",)
 
 
 def resolve_backend(backend=None):
-    """The validated backend name a module keeps: "auto", "torch" or "triton"."""
+    """The validated backend name a module keeps: "auto", "torch", "triton" or "cuda"."""
     name = backend if backend is not None else os.environ.get("BERT_FAST_BACKEND", "auto")
     name = str(name).lower()
-    if name in PLANNED_BACKENDS:
-        raise ValueError(f"backend {name!r} is not implemented in this version of bert_fast; "
-                         f"available: {', '.join(BACKENDS)}")
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; available: {', '.join(BACKENDS)}")
     if name == "triton" and not HAS_TRITON:
         raise ValueError("backend 'triton' needs the triton package (pip install triton; Linux only); "
                          "use backend='torch'")
+    if name == "cuda" and not extension.load():
+        raise ValueError(f"backend 'cuda' needs bert_fast's compiled extension: {extension.load_error()}. "
+                         "Build it with `pip install --no-build-isolation -e .` in the source checkout or "
+                         "bert_fast.build_extension(), or use backend='triton' or 'torch'")
     return name
 
 
 def backend_for(backend, device):
-    """The ops' backend ("torch" or "triton") for a resolved module backend and a device."""
+    """The ops' backend ("torch", "triton" or "cuda") for a resolved module backend and a device."""
     if backend == "auto":
         use_triton = AUTO_USES_TRITON_ON_CUDA and device.type == "cuda" and HAS_TRITON
         return "triton" if use_triton else "torch"

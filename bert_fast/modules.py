@@ -68,7 +68,7 @@ class FastMultiHeadAttention(nn.Module):
             context = ops.packed_self_attention(qkv, self.num_heads, valid_lens, dropout_p,
                                                 backend=backend)
         else:
-            context = ops.attention(self.W_q(queries), self.W_k(keys), self.W_v(values),
+            context = ops.multi_head_attention(self.W_q(queries), self.W_k(keys), self.W_v(values),
                                     self.num_heads, valid_lens, dropout_p)
         return self.W_o(context)
 

@@ -232,8 +232,8 @@ def test_triton_backend_dropout_follows_torch_manual_seed():
 
 def test_unknown_backend():
     x = torch.randn(2, 8)
-    with pytest.raises(ValueError, match="backend must be 'torch' or 'triton'"):
-        add_layernorm(x, x, None, None, backend="cuda")
+    with pytest.raises(ValueError, match="backend must be 'torch', 'triton' or 'cuda'"):
+        add_layernorm(x, x, None, None, backend="CUDA")
 
 
 _x, _w = torch.randn(4, 96), torch.randn(96)

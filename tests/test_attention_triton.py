@@ -420,10 +420,10 @@ def test_backward_validation():
 
 
 def test_unknown_backend():
-    with pytest.raises(ValueError, match="backend must be 'torch' or 'triton'"):
-        ops.packed_self_attention(torch.randn(2, 5, 12), 2, backend="cuda")
+    with pytest.raises(ValueError, match="backend must be 'torch', 'triton' or 'cuda'"):
+        ops.packed_self_attention(torch.randn(2, 5, 12), 2, backend="Cuda")
     unpadding = ops.unpadding_for(torch.tensor([2, 5]), 5)
-    with pytest.raises(ValueError, match="backend must be 'torch' or 'triton'"):
+    with pytest.raises(ValueError, match="backend must be 'torch', 'triton' or 'cuda'"):
         ops.unpadded_self_attention(torch.randn(7, 12), 2, unpadding, None, backend="Triton")
 
 

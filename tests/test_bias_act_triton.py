@@ -131,8 +131,8 @@ def test_triton_backend_on_cpu_matches_torch_backend(activation):
 
 def test_unknown_backend_and_activation():
     x, weight = torch.randn(2, 8), torch.randn(4, 8)
-    with pytest.raises(ValueError, match="backend must be 'torch' or 'triton'"):
-        linear_act(x, weight, None, backend="cuda")
+    with pytest.raises(ValueError, match="backend must be 'torch', 'triton' or 'cuda'"):
+        linear_act(x, weight, None, backend="CUDA")
     with pytest.raises(ValueError, match="activation must be one of"):
         linear_act(x, weight, None, "silu", backend="triton")
 

@@ -80,17 +80,22 @@ def test_unsupported_config(change, message):
 def test_unknown_options():
     with pytest.raises(ValueError, match="activation must be one of"):
         FastBERTEncoder(**encoder_config(), activation="swish")
-    with pytest.raises(ValueError, match="backend 'cuda' is not implemented"):
-        FastBERTEncoder(**encoder_config(), backend="cuda")
     with pytest.raises(ValueError, match="unknown backend 'tpu'"):
         FastEncoderBlock(8, 8, 8, 8, [8], 8, 16, 2, 0.0, backend="tpu")
     with pytest.raises(ValueError, match="must be divisible"):
         FastMultiHeadAttention(8, 8, 8, 10, 3, 0.0)
 
 
+def test_cuda_backend_without_the_extension_says_how_to_build_it(monkeypatch):
+    from bert_fast import extension
+    monkeypatch.setattr(extension, "load", lambda: False)
+    with pytest.raises(ValueError, match="backend 'cuda' needs bert_fast's compiled extension.*build_extension"):
+        FastBERTEncoder(**encoder_config(), backend="cuda")
+
+
 def test_backend_from_environment(monkeypatch):
-    monkeypatch.setenv("BERT_FAST_BACKEND", "cuda")
-    with pytest.raises(ValueError, match="backend 'cuda' is not implemented"):
+    monkeypatch.setenv("BERT_FAST_BACKEND", "tpu")
+    with pytest.raises(ValueError, match="unknown backend 'tpu'"):
         FastBERTEncoder(**encoder_config())
     monkeypatch.setenv("BERT_FAST_BACKEND", "torch")
     assert FastBERTEncoder(**encoder_config()).backend == "torch"

@@ -210,9 +210,9 @@ def test_triton_backend_matches_torch_backend(case, learn_pos_embedding, determi
 
 def test_unknown_backend():
     tokens, segments, _, n_tokens, max_len = index_case("padded", "cpu")
-    with pytest.raises(ValueError, match="backend must be 'torch' or 'triton'"):
+    with pytest.raises(ValueError, match="backend must be 'torch', 'triton' or 'cuda'"):
         embedding_sum(tokens, segments, *make_tables(n_tokens, 2, max_len, 4, torch.float32, "cpu"),
-                      backend="cuda")
+                      backend="CUDA")
 
 
 _tok = torch.zeros(2, 3, dtype=torch.int64)

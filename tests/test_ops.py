@@ -27,7 +27,7 @@ def reference_attention(q, k, v, num_heads, valid_lens):
 def test_attention_matches_reference_in_fp64_with_gradients(valid_lens):
     q, k, v = (torch.randn(3, 7, 12, dtype=torch.float64, requires_grad=True) for _ in range(3))
     expected = reference_attention(q, k, v, 3, valid_lens)
-    out = ops.attention(q, k, v, 3, valid_lens)
+    out = ops.multi_head_attention(q, k, v, 3, valid_lens)
     assert_close(out, expected, atol=1e-12)
     w = torch.randn_like(out)
     grads_ref = torch.autograd.grad((expected * w).sum(), (q, k, v))
@@ -38,14 +38,14 @@ def test_attention_matches_reference_in_fp64_with_gradients(valid_lens):
 
 def test_row_without_valid_key_is_uniform_over_all_keys():
     q, k, v = torch.randn(2, 5, 8), torch.randn(2, 5, 8), torch.randn(2, 5, 8)
-    out = ops.attention(q, k, v, 2, torch.tensor([0, 5]))
+    out = ops.multi_head_attention(q, k, v, 2, torch.tensor([0, 5]))
     assert_close(out[0], v[0].mean(0).expand(5, 8), atol=1e-6)
 
 
 def test_attention_gradcheck():
     q, k, v = (torch.randn(2, 4, 6, dtype=torch.float64, requires_grad=True) for _ in range(3))
     valid_lens = torch.tensor([[0, 1, 3, 4], [2, 2, 0, 9]])
-    assert torch.autograd.gradcheck(lambda q, k, v: ops.attention(q, k, v, 2, valid_lens), (q, k, v))
+    assert torch.autograd.gradcheck(lambda q, k, v: ops.multi_head_attention(q, k, v, 2, valid_lens), (q, k, v))
 
 
 def test_pad_unpad_round_trip():

@@ -55,10 +55,11 @@ def require_triton(*tensors):
 
 
 def uses_triton(backend):
-    """True for the ops' "triton" backend, False for "torch"; anything else is an error."""
-    if backend not in ("torch", "triton"):
-        raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
-    return backend == "triton"
+    """False for the ops' "torch" backend; True for "triton" and for "cuda" (the compiled
+    extension), which runs the Triton op wherever the extension has no op of its own."""
+    if backend not in ("torch", "triton", "cuda"):
+        raise ValueError(f"backend must be 'torch', 'triton' or 'cuda', got {backend!r}")
+    return backend != "torch"
 
 
 def launch(kernel):

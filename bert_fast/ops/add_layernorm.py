@@ -34,6 +34,7 @@ import torch
 from torch.library import triton_op
 from torch.nn import functional as F
 
+from ..extension import require_extension
 from ._philox import check_seed, dropout_keep, dropout_seed
 from ._triton import (as_rows, KERNEL_DTYPES, launch, reduction_programs, require_triton, tl, triton,
                       uses_triton)
@@ -341,9 +342,9 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(mean, rstd)
 
 
-def _backward(ctx, grad_out, _grad_mean, _grad_rstd):
+def _backward(ctx, grad_out, _grad_mean, _grad_rstd, backward_op=None):
     x, residual, weight, mean, rstd, seed = ctx.saved_tensors
-    d_residual, d_x, d_weight, d_bias = add_layernorm_bwd(
+    d_residual, d_x, d_weight, d_bias = (backward_op or add_layernorm_bwd)(
         grad_out, x, residual, weight, mean, rstd, seed, ctx.dropout_p, ctx.has_bias)
     return (d_x if ctx.dropout_p > 0.0 else d_residual, d_residual,
             d_weight if weight is not None else None, d_bias if ctx.has_bias else None,
@@ -353,17 +354,57 @@ def _backward(ctx, grad_out, _grad_mean, _grad_rstd):
 add_layernorm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+# ----------------------------------------------------------------------------------------------
+# The compiled extension's op (backend="cuda"; csrc/add_layernorm_cpu.cpp, csrc/add_layernorm.cu):
+# its schema is in csrc/registration.cpp, its fake kernels and autograd here. Same arguments
+# and outputs as the Triton op, so the autograd glue above serves both.
+# ----------------------------------------------------------------------------------------------
+
+def _ext_fwd_fake(x, residual, weight, bias, eps, seed, dropout_p):
+    _check_dropout_p(dropout_p)
+    check_seed(seed, dropout_p, x.device)
+    rows = x.numel() // x.shape[-1]
+    stats_dtype = _stats_dtype(x.dtype)
+    return (x.new_empty(x.shape), x.new_empty(rows, dtype=stats_dtype), x.new_empty(rows, dtype=stats_dtype))
+
+
+def _ext_bwd_fake(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias):
+    hidden = x.shape[-1]
+    empty = x.new_empty(0)
+    return (x.new_empty(x.shape), x.new_empty(x.shape) if dropout_p > 0.0 else empty,
+            x.new_empty(hidden) if weight is not None else empty, x.new_empty(hidden) if has_bias else empty)
+
+
+def _ext_backward(ctx, grad_out, _grad_mean, _grad_rstd):
+    return _backward(ctx, grad_out, _grad_mean, _grad_rstd, torch.ops.bert_fast.ext_add_layernorm_bwd)
+
+
+def register_extension_ops():
+    """Fake kernels and autograd of the extension's op; bert_fast.extension calls this once."""
+    torch.library.register_fake("bert_fast::ext_add_layernorm_fwd", _ext_fwd_fake)
+    torch.library.register_fake("bert_fast::ext_add_layernorm_bwd", _ext_bwd_fake)
+    torch.library.register_autograd("bert_fast::ext_add_layernorm_fwd", _ext_backward,
+                                    setup_context=_setup_context)
+
+
 def add_layernorm(x, residual, weight, bias, eps=1e-5, dropout_p=0.0, training=False, *,
                   backend="torch"):
     """``LayerNorm(residual + dropout(x))`` over the last dim; weight/bias may be None.
 
     backend="torch": F.dropout + F.layer_norm. backend="triton": the registered ops (Triton
-    kernels on CUDA, their PyTorch twins on CPU); the dropout seed is drawn on the inputs'
-    device (see _philox.py), so ``torch.manual_seed`` makes a run repeatable.
+    kernels on CUDA, their PyTorch twins on CPU). backend="cuda": the compiled extension's op
+    (C++ on CPU, CUDA kernels on GPU). The triton and cuda backends draw the same dropout mask
+    (see _philox.py) from a seed drawn on the inputs' device, so ``torch.manual_seed`` makes a
+    run repeatable.
     """
     if not uses_triton(backend):
         return _add_layernorm_torch(x, residual, weight, bias, eps, dropout_p, training)
     dropout_p = float(dropout_p) if training else 0.0
     seed = dropout_seed(dropout_p, x.device)
-    out, _mean, _rstd = add_layernorm_fwd(x, residual, weight, bias, float(eps), seed, dropout_p)
+    if backend == "cuda":
+        require_extension(x.device)
+        forward = torch.ops.bert_fast.ext_add_layernorm_fwd
+    else:
+        forward = add_layernorm_fwd
+    out, _mean, _rstd = forward(x, residual, weight, bias, float(eps), seed, dropout_p)
     return out

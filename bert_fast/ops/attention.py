@@ -77,7 +77,7 @@ def key_mask(valid_lens, num_queries, num_keys, device):
     return mask, query_keep
 
 
-def attention(queries, keys, values, num_heads, valid_lens=None, dropout_p=0.0):
+def multi_head_attention(queries, keys, values, num_heads, valid_lens=None, dropout_p=0.0):
     """(B, Lq, H), (B, Lk, H), (B, Lk, H) -> (B, Lq, H), heads split and merged as the reference.
 
     Inputs may be strided views (e.g. the three thirds of a packed QKV projection).
@@ -840,7 +840,7 @@ def packed_self_attention(qkv, num_heads, valid_lens=None, dropout_p=0.0, *, bac
     if uses_triton(backend):
         return attention_fwd(qkv, valid_lens, num_heads, float(dropout_p), dropout_seed(dropout_p, qkv.device))[0]
     q, k, v = qkv.chunk(3, dim=-1)
-    return attention(q, k, v, num_heads, valid_lens, dropout_p)
+    return multi_head_attention(q, k, v, num_heads, valid_lens, dropout_p)
 
 
 def unpadded_self_attention(qkv, num_heads, unpadding, valid_lens, dropout_p=0.0, *,

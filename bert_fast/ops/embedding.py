@@ -54,6 +54,7 @@ import torch
 from torch.library import triton_op
 from torch.nn import functional as F
 
+from ..extension import require_extension
 from ._triton import KERNEL_DTYPES, launch, require_triton, tl, triton, uses_triton
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -498,6 +499,44 @@ def _backward(ctx, grad_out):
 embedding_sum_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+# ----------------------------------------------------------------------------------------------
+# The compiled extension's op (backend="cuda"; csrc/embedding_sum_cpu.cpp, csrc/embedding_sum.cu):
+# its schema is in csrc/registration.cpp, its fake kernels and autograd here.
+# ----------------------------------------------------------------------------------------------
+
+def _ext_fwd_fake(tokens, segments, token_weight, segment_weight, pos_weight, positions):
+    _check_fwd_inputs(tokens, segments, token_weight, segment_weight, pos_weight, positions)
+    return token_weight.new_empty(*tokens.shape, token_weight.shape[1])
+
+
+def _ext_bwd_fake(grad_out, tokens, segments, positions, n_tokens, n_segments, max_len, learn_pos_embedding):
+    _check_bwd_inputs(grad_out, tokens, segments, positions, n_tokens, n_segments, max_len)
+    hidden = grad_out.shape[-1]
+    pos_grad = grad_out.new_empty(1, max_len, hidden) if learn_pos_embedding else grad_out.new_empty(0)
+    return grad_out.new_empty(n_tokens, hidden), grad_out.new_empty(n_segments, hidden), pos_grad
+
+
+def _ext_setup_context(ctx, inputs, output):
+    _setup_context(ctx, (*inputs, False), output)
+
+
+def _ext_backward(ctx, grad_out):
+    tokens, segments, positions = ctx.saved_tensors
+    _, _, token_needed, segment_needed, pos_needed, _ = ctx.needs_input_grad
+    token_grad, segment_grad, pos_grad = torch.ops.bert_fast.ext_embedding_sum_bwd(
+        grad_out, tokens, segments, positions, *ctx.table_rows, pos_needed)
+    return (None, None, token_grad if token_needed else None,
+            segment_grad if segment_needed else None, pos_grad if pos_needed else None, None)
+
+
+def register_extension_ops():
+    """Fake kernels and autograd of the extension's op; bert_fast.extension calls this once."""
+    torch.library.register_fake("bert_fast::ext_embedding_sum_fwd", _ext_fwd_fake)
+    torch.library.register_fake("bert_fast::ext_embedding_sum_bwd", _ext_bwd_fake)
+    torch.library.register_autograd("bert_fast::ext_embedding_sum_fwd", _ext_backward,
+                                    setup_context=_ext_setup_context)
+
+
 def embedding_sum(tokens, segments, token_weight, segment_weight, pos_weight, *,
                   positions=None, learn_pos_embedding=False, backend="torch", deterministic=False):
     """``token_weight[tokens] + segment_weight[segments] + pos_weight[0, position]``.
@@ -506,13 +545,19 @@ def embedding_sum(tokens, segments, token_weight, segment_weight, pos_weight, *,
     No gradient reaches ``pos_weight`` unless ``learn_pos_embedding`` (the reference's quirk).
     backend="torch": F.embedding lookups. backend="triton": the registered ops (Triton kernels
     on CUDA, their PyTorch twins on CPU); ``deterministic=True`` makes its backward use a
-    sort-based reduction instead of atomics, so two runs give the same bits. (The torch
-    backend ignores it: it follows torch.use_deterministic_algorithms.)
+    sort-based reduction instead of atomics, so two runs give the same bits. backend="cuda":
+    the compiled extension's op (C++ on CPU, CUDA kernels on GPU); its CUDA backward uses
+    atomics, so there ``deterministic=True`` runs the triton op instead. (The torch backend
+    ignores ``deterministic``: it follows torch.use_deterministic_algorithms.)
     """
     if not uses_triton(backend):
         return _embedding_sum_torch(tokens, segments, token_weight, segment_weight, pos_weight,
                                     positions, learn_pos_embedding)
     if not learn_pos_embedding:
         pos_weight = pos_weight.detach()
+    if backend == "cuda" and not (deterministic and token_weight.device.type == "cuda"):
+        require_extension(token_weight.device)
+        return torch.ops.bert_fast.ext_embedding_sum_fwd(tokens, segments, token_weight, segment_weight,
+                                                         pos_weight, positions)
     return embedding_sum_fwd(tokens, segments, token_weight, segment_weight, pos_weight, positions,
                              bool(deterministic))

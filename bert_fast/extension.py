@@ -1,0 +1,135 @@
+"""The compiled extension (csrc/): loading it, building it on demand, and what it provides.
+
+``pip install --no-build-isolation -e .`` builds it as ``bert_fast._C`` (the C++ CPU ops always,
+the CUDA ops too where CUDA and a CUDA build of PyTorch are present; see setup.py). Without it
+the package still imports and runs its torch and Triton paths; ``build_extension()`` compiles it
+on demand with torch.utils.cpp_extension.load (ninja, cached between runs). Its ops are
+``torch.ops.bert_fast.ext_*`` (schemas in csrc/registration.cpp); loading it also registers their
+fake kernels and autograd, which live next to the Triton ops in bert_fast/ops/.
+
+Nothing here runs at ``import bert_fast``: the extension is loaded when ``backend="cuda"`` is
+asked for, by ``build_extension()`` or by ``python -m bert_fast.info``.
+"""
+
+import importlib
+import os
+import pathlib
+import threading
+
+import torch
+
+CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
+JIT_NAME = "bert_fast_ext"
+OPS = ("ext_embedding_sum_fwd", "ext_embedding_sum_bwd", "ext_add_layernorm_fwd", "ext_add_layernorm_bwd")
+
+_lock = threading.Lock()
+_state = {"loaded_from": None, "error": None}
+
+
+def sources(with_cuda):
+    """The files that make the extension: the C++ CPU ops always, the CUDA ones when asked."""
+    files = [CSRC / "registration.cpp", *sorted(CSRC.glob("*_cpu.cpp"))]
+    if with_cuda:
+        files += [*sorted(CSRC.glob("*.cu")), CSRC / "cuda_ops.cpp"]
+    return [str(f) for f in files]
+
+
+def _ops_registered():
+    return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"bert_fast::{op}", "CPU") for op in OPS)
+
+
+def _finish_loading(where):
+    from .ops import add_layernorm, embedding   # fake kernels + autograd of the ext ops
+    embedding.register_extension_ops()
+    add_layernorm.register_extension_ops()
+    _state["loaded_from"], _state["error"] = where, None
+
+
+def load():
+    """Load the built extension if there is one; True when its ops are registered. Never builds."""
+    with _lock:
+        if _state["loaded_from"] is not None:
+            return True
+        try:
+            importlib.import_module("bert_fast._C")
+        except ImportError as e:     # not built, or built against another torch
+            _state["error"] = f"bert_fast._C could not be imported ({e})"
+            return False
+        _finish_loading("bert_fast._C (built by setup.py)")
+        return True
+
+
+def loaded_from():
+    """Where the loaded extension came from, or None."""
+    return _state["loaded_from"]
+
+
+def load_error():
+    """Why load() found no extension (None once it is loaded)."""
+    return _state["error"]
+
+
+def has_cuda_kernels():
+    """Whether the loaded extension was built with its CUDA ops."""
+    return loaded_from() is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "bert_fast::ext_add_layernorm_fwd", "CUDA")
+
+
+def build_extension(verbose=True, with_cuda=None):
+    """Make the extension's ops available, compiling them first if no built copy loads.
+
+    with_cuda: build the CUDA ops too; by default when PyTorch is a CUDA build and the CUDA
+    toolkit (nvcc) is found. The build is cached by torch.utils.cpp_extension (under
+    TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), so later calls only load it.
+    Returns where the ops came from.
+    """
+    if load():
+        return loaded_from()
+    from torch.utils import cpp_extension
+
+    if not CSRC.is_dir():
+        raise RuntimeError(f"cannot build the bert_fast extension: its sources ({CSRC}) are not here. "
+                           "Install bert_fast from a source checkout with "
+                           "`pip install --no-build-isolation -e .`, which compiles it.")
+    if with_cuda is None:
+        with_cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    with _lock:
+        if _state["loaded_from"] is not None:
+            return loaded_from()
+        if _ops_registered():    # an earlier build in this process, under another name
+            _finish_loading("an extension already loaded in this process")
+            return loaded_from()
+        if verbose:
+            print(f"bert_fast: building the extension ({'C++ CPU + CUDA' if with_cuda else 'C++ CPU'} ops) "
+                  f"with ninja, MAX_JOBS={os.environ.get('MAX_JOBS', 'auto')}; cached after the first build ...",
+                  flush=True)
+        try:
+            cpp_extension.load(
+                name=JIT_NAME + ("_cuda" if with_cuda else ""), sources=sources(with_cuda),
+                extra_cflags=["-O3"], extra_cuda_cflags=["-O3"] if with_cuda else None,
+                extra_include_paths=[str(CSRC)], with_cuda=with_cuda, is_python_module=False, verbose=verbose)
+        except Exception as e:
+            raise RuntimeError(
+                f"building the bert_fast extension failed: {e}\n"
+                "It needs a C++17 compiler and ninja (pip install ninja); the CUDA ops also need the CUDA "
+                "toolkit (nvcc, CUDA_HOME) matching torch.version.cuda. Build without the CUDA ops with "
+                "bert_fast.build_extension(with_cuda=False); the torch and triton backends work without "
+                "the extension.") from e
+        _finish_loading(f"JIT build ({JIT_NAME})")
+        if verbose:
+            print("bert_fast: extension built and loaded", flush=True)
+        return loaded_from()
+
+
+def require_extension(device):
+    """Raise a clear error unless the extension's ops can run on ``device``."""
+    if not load():
+        raise RuntimeError(f"backend='cuda' needs bert_fast's compiled extension, which is not built: "
+                           f"{load_error()}. Build it with `pip install --no-build-isolation -e .` in the "
+                           f"source checkout, or call bert_fast.build_extension(); or use backend='triton'.")
+    if device.type == "cuda" and not has_cuda_kernels():
+        raise RuntimeError("the loaded bert_fast extension has no CUDA ops (it was built without CUDA). "
+                           "Rebuild it where nvcc and a CUDA build of PyTorch are present "
+                           "(`pip install --no-build-isolation -e .`), or use backend='triton'.")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"the extension's ops run on CPU and CUDA tensors, got a tensor on {device}")
