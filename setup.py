@@ -1,10 +1,72 @@
-"""Build and install bert_fast.
+"""Build and install bert_fast, with its compiled extension (csrc/) as ``bert_fast._C``.
 
-The CUDA/C++ extension (csrc/) is a separate work item; until it lands this installs the
-pure-Python package (its torch backend runs on any device PyTorch supports).
+    pip install --no-build-isolation -e .      # PyTorch must already be installed
+
+The extension is built against the PyTorch in the environment, hence --no-build-isolation.
+It always holds the C++ CPU ops; the CUDA ops are added when PyTorch is a CUDA build and the
+CUDA toolkit (nvcc) is found. Environment switches:
+
+  BERT_FAST_SKIP_CUDA_BUILD=1   build the C++ CPU ops only
+  BERT_FAST_CUDA_ARCHS="8.0;9.0" GPU architectures to compile for (TORCH_CUDA_ARCH_LIST);
+                                by default the visible GPUs', else 8.0 and 9.0
+  BERT_FAST_SKIP_EXTENSION=1    no extension at all (pure Python: torch and triton backends)
+  MAX_JOBS=N                    parallel compile jobs (ninja)
+
+Without PyTorch at build time (an isolated build) the package installs pure-Python, with a
+message; ``bert_fast.build_extension()`` can compile the extension later.
 """
 
+import glob
+import os
+import sys
+
 from setuptools import find_packages, setup
+
+
+def _flag(name):
+    return os.environ.get(name, "0").lower() in ("1", "true", "yes", "on")
+
+
+def extension_build():
+    """(ext_modules, cmdclass) for the compiled extension, or none with the reason printed."""
+    if _flag("BERT_FAST_SKIP_EXTENSION"):
+        print("bert_fast: BERT_FAST_SKIP_EXTENSION is set; installing without the compiled extension")
+        return [], {}
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+    except ImportError:
+        print("bert_fast: PyTorch is not importable in this build environment, so the compiled extension "
+              "is skipped. Install PyTorch first and use `pip install --no-build-isolation -e .`, or call "
+              "bert_fast.build_extension() later.")
+        return [], {}
+    cpu_sources = ["csrc/registration.cpp", *sorted(glob.glob("csrc/*_cpu.cpp"))]
+    cuda_sources = [*sorted(glob.glob("csrc/*.cu")), "csrc/cuda_ops.cpp"]
+    with_cuda = torch.version.cuda is not None and CUDA_HOME is not None and not _flag("BERT_FAST_SKIP_CUDA_BUILD")
+    common = dict(name="bert_fast._C", include_dirs=[os.path.abspath("csrc")])
+    # at::parallel_for is serial unless the extension itself is compiled with OpenMP.
+    openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
+    if with_cuda:
+        archs = os.environ.get("BERT_FAST_CUDA_ARCHS")
+        if archs:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+        elif "TORCH_CUDA_ARCH_LIST" not in os.environ and not torch.cuda.is_available():
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+        print(f"bert_fast: building the C++ CPU and CUDA ops (CUDA {torch.version.cuda}, archs "
+              f"{os.environ.get('TORCH_CUDA_ARCH_LIST', 'of the visible GPUs')})")
+        extension = CUDAExtension(sources=cpu_sources + cuda_sources,
+                                  extra_compile_args={"cxx": ["-O3", *openmp], "nvcc": ["-O3"]},
+                                  extra_link_args=openmp, **common)
+    else:
+        why = ("BERT_FAST_SKIP_CUDA_BUILD is set" if _flag("BERT_FAST_SKIP_CUDA_BUILD")
+               else "PyTorch is a CPU build" if torch.version.cuda is None else "no CUDA toolkit (nvcc) found")
+        print(f"bert_fast: building the C++ CPU ops only ({why})")
+        extension = CppExtension(sources=cpu_sources, extra_compile_args={"cxx": ["-O3", *openmp]},
+                                 extra_link_args=openmp, **common)
+    return [extension], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = extension_build()
 
 setup(
     name="bert_fast",
@@ -13,6 +75,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["bert_fast", "bert_fast.*"]),
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.6",  # torch.library.triton_op

@@ -14,6 +14,7 @@ asked for, by ``build_extension()`` or by ``python -m bert_fast.info``.
 import importlib
 import os
 import pathlib
+import sys
 import threading
 
 import torch
@@ -22,8 +23,12 @@ CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
 JIT_NAME = "bert_fast_ext"
 OPS = ("ext_embedding_sum_fwd", "ext_embedding_sum_bwd", "ext_add_layernorm_fwd", "ext_add_layernorm_bwd")
 
+# at::parallel_for runs serially unless the extension itself is compiled with OpenMP (ATen's
+# parallel backend is chosen by _OPENMP in the headers); at run time it shares torch's libgomp.
+OPENMP_FLAGS = ["-fopenmp"] if sys.platform.startswith("linux") else []
+
 _lock = threading.Lock()
-_state = {"loaded_from": None, "error": None}
+_state = {"loaded_from": None, "error": None, "cuda_kernels": False}
 
 
 def sources(with_cuda):
@@ -34,19 +39,30 @@ def sources(with_cuda):
     return [str(f) for f in files]
 
 
+def _has_kernel(op, dispatch_key):
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"bert_fast::{op}", dispatch_key)
+    except RuntimeError:     # the op is not defined
+        return False
+
+
 def _ops_registered():
-    return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"bert_fast::{op}", "CPU") for op in OPS)
+    return all(_has_kernel(op, "CPU") for op in OPS)
 
 
 def _finish_loading(where):
-    from .ops import add_layernorm, embedding   # fake kernels + autograd of the ext ops
-    embedding.register_extension_ops()
-    add_layernorm.register_extension_ops()
+    # Fake kernels and autograd of the ext ops (the op modules, not the functions that
+    # bert_fast.ops exports under the same names).
+    for module in ("bert_fast.ops.embedding", "bert_fast.ops.add_layernorm"):
+        importlib.import_module(module).register_extension_ops()
+    _state["cuda_kernels"] = _has_kernel("ext_add_layernorm_fwd", "CUDA")
     _state["loaded_from"], _state["error"] = where, None
 
 
 def load():
     """Load the built extension if there is one; True when its ops are registered. Never builds."""
+    if _state["loaded_from"] is not None:    # lock-free once loaded: the ops call this per call
+        return True
     with _lock:
         if _state["loaded_from"] is not None:
             return True
@@ -71,8 +87,7 @@ def load_error():
 
 def has_cuda_kernels():
     """Whether the loaded extension was built with its CUDA ops."""
-    return loaded_from() is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "bert_fast::ext_add_layernorm_fwd", "CUDA")
+    return loaded_from() is not None and _state["cuda_kernels"]
 
 
 def build_extension(verbose=True, with_cuda=None):
@@ -106,7 +121,8 @@ def build_extension(verbose=True, with_cuda=None):
         try:
             cpp_extension.load(
                 name=JIT_NAME + ("_cuda" if with_cuda else ""), sources=sources(with_cuda),
-                extra_cflags=["-O3"], extra_cuda_cflags=["-O3"] if with_cuda else None,
+                extra_cflags=["-O3", *OPENMP_FLAGS], extra_ldflags=OPENMP_FLAGS,
+                extra_cuda_cflags=["-O3"] if with_cuda else None,
                 extra_include_paths=[str(CSRC)], with_cuda=with_cuda, is_python_module=False, verbose=verbose)
         except Exception as e:
             raise RuntimeError(

@@ -38,8 +38,7 @@ def report():
         kinds = "CPU and CUDA" if extension.has_cuda_kernels() else "CPU only (built without CUDA)"
         lines.append(f"  cuda    available: extension ops for {kinds}, from {extension.loaded_from()}")
         for op in extension.OPS:
-            keys = [key for key in ("CPU", "CUDA")
-                    if torch._C._dispatch_has_kernel_for_dispatch_key(f"bert_fast::{op}", key)]
+            keys = [key for key in ("CPU", "CUDA") if extension._has_kernel(op, key)]
             lines.append(f"            torch.ops.bert_fast.{op}: {', '.join(keys)}")
     else:
         lines.append(f"  cuda    unavailable: {extension.load_error()}; build with "

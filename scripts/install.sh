@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install bert_fast for development into the current Python environment: PyTorch first
 # (kept if already installed; the CPU build on a machine without an NVIDIA GPU, so pip does
-# not pull several GB of CUDA packages), then this package with its test and plot extras.
+# not pull several GB of CUDA packages), then this package with its test and plot extras,
+# compiling its extension (C++ CPU ops; CUDA ops too where CUDA is present; see setup.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
@@ -16,5 +17,8 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
         "$PYTHON" -m pip install torch --index-url https://download.pytorch.org/whl/cpu
     fi
 fi
-"$PYTHON" -m pip install -e ".[test,plot]"
-"$PYTHON" -c "import torch, bert_fast; print('installed bert_fast', bert_fast.__version__, 'with torch', torch.__version__)"
+# The compiled extension (csrc/) builds against the PyTorch installed above, so no build
+# isolation; setuptools and ninja (parallel C++/CUDA compiles) must be here first.
+"$PYTHON" -m pip install setuptools wheel ninja
+"$PYTHON" -m pip install --no-build-isolation -e ".[test,plot]"
+"$PYTHON" -m bert_fast.info

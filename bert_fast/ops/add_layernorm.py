@@ -370,9 +370,9 @@ def _ext_fwd_fake(x, residual, weight, bias, eps, seed, dropout_p):
 
 def _ext_bwd_fake(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias):
     hidden = x.shape[-1]
-    empty = x.new_empty(0)
-    return (x.new_empty(x.shape), x.new_empty(x.shape) if dropout_p > 0.0 else empty,
-            x.new_empty(hidden) if weight is not None else empty, x.new_empty(hidden) if has_bias else empty)
+    # Gradients not computed come back as (distinct) empty tensors.
+    return (x.new_empty(x.shape), x.new_empty(x.shape if dropout_p > 0.0 else 0),
+            x.new_empty(hidden if weight is not None else 0), x.new_empty(hidden if has_bias else 0))
 
 
 def _ext_backward(ctx, grad_out, _grad_mean, _grad_rstd):
