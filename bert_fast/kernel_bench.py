@@ -7,7 +7,8 @@ and reports what fraction of the machine they reach:
                  FlashAttention convention), next to SDPA with a boolean key mask and SDPA
                  without a mask (its flash kernel) on the same shapes;
   memory-bound   GB/s from the bytes the op must move, next to the device-to-device copy
-                 bandwidth measured in the same run.
+                 bandwidth measured in the same run; add_layernorm and embedding_sum also on
+                 the compiled extension's CUDA kernels (backend "cuda") when it is built.
 Shapes follow the work item: attention at head dim 64, L 128 and 512, B 16, lengths averaging
 60% of L; add_layernorm, bias_act and embedding_sum at BERT-base and -large sizes.
 """
@@ -20,7 +21,7 @@ import sys
 import torch
 from torch.nn import functional as F
 
-from . import ops
+from . import extension, ops
 
 
 def _bench(fn):
@@ -88,6 +89,9 @@ def attention_rows(device, dtype, batch=16, head_dim=64, num_heads=12, seqlens=(
 def memory_bound_rows(device, dtype, copy_gbps, tokens=16 * 512):
     rows = []
     e = torch.finfo(dtype).bits // 8
+    # The compiled extension's CUDA ops too, where they are built (backend "cuda").
+    with_ext = extension.load() and extension.has_cuda_kernels()
+    backends = ("triton", "torch") + (("cuda",) if with_ext else ())
     for hidden, ffn in ((768, 3072), (1024, 4096)):
         x = torch.randn(tokens, hidden, device=device, dtype=dtype, requires_grad=True)
         residual = torch.randn_like(x, requires_grad=True)
@@ -103,14 +107,14 @@ def memory_bound_rows(device, dtype, copy_gbps, tokens=16 * 512):
         cases = {
             # op: (forward per backend, leaves, bytes it must move fwd, fwd+bwd)
             "add_layernorm": (
-                {b: (lambda b=b: ops.add_layernorm(x, residual, weight, bias, backend=b)) for b in ("triton", "torch")},
+                {b: (lambda b=b: ops.add_layernorm(x, residual, weight, bias, backend=b)) for b in backends},
                 [x, residual, weight, bias], 3 * tokens * hidden * e, 7 * tokens * hidden * e),
             "bias_act relu": (
                 {"triton": lambda: ops.bias_act(h, ffn_bias, "relu"), "torch": lambda: F.relu(h + ffn_bias)},
                 [h, ffn_bias], 2 * tokens * ffn * e, 5 * tokens * ffn * e),
             "embedding_sum": (
                 {b: (lambda b=b: ops.embedding_sum(ids, segs, token_w, segment_w, pos_w, backend=b))
-                 for b in ("triton", "torch")},
+                 for b in backends},
                 [token_w, segment_w], 2 * tokens * hidden * e, 4 * tokens * hidden * e),
         }
         for op, (forwards, leaves, bytes_fwd, bytes_both) in cases.items():
