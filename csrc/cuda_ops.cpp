@@ -1,0 +1,338 @@
+// The CUDA kernels bound to the dispatcher (schemas: registration.cpp): tensors to pointers,
+// input checks, output allocation, the current stream. The kernels themselves are plain C++
+// launch functions (kernels.h) in .cu files that include no torch headers.
+//
+// The checks mirror _check_fwd_inputs / _check_bwd_inputs of bert_fast/ops/embedding.py and
+// add_layernorm.py (ValueError for shapes, values and devices, TypeError for dtypes), with the
+// messages of the C++ CPU ops. Unlike the CPU ops, ids are not range-checked here: that would
+// need a host synchronisation; the module checks them once per batch, and the kernels never
+// dereference an out-of-range id (see kernels.h).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cuda_runtime_api.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "kernels.h"
+
+namespace bert_fast {
+namespace {
+
+std::string shape_str(const at::Tensor& t) { return c10::str(t.sizes()); }
+
+bool is_index_dtype(at::ScalarType dtype) { return dtype == at::kInt || dtype == at::kLong; }
+
+bool is_kernel_dtype(at::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16;
+}
+
+DType kernel_dtype(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kHalf: return DType::Float16;
+    case at::kBFloat16: return DType::BFloat16;
+    default: return DType::Float32;   // callers checked is_kernel_dtype
+  }
+}
+
+void check_launch(int error) { C10_CUDA_CHECK(static_cast<cudaError_t>(error)); }
+
+void check_on_device(const char* name, const at::Tensor& t, const at::Device& device) {
+  TORCH_CHECK_VALUE(t.device() == device, name, " is on ", t.device(), ", expected ", device,
+                    " like the other inputs");
+}
+
+// The ids flattened to contiguous int64 (a no-op for contiguous int64 ids).
+at::Tensor flat_ids(const at::Tensor& ids) { return ids.reshape(-1).to(at::kLong).contiguous(); }
+
+// A table read through its row stride: a copy only if its last dim is strided.
+at::Tensor unit_column_stride(const at::Tensor& table) { return table.stride(-1) == 1 ? table : table.contiguous(); }
+
+const int64_t* ids_ptr(const at::Tensor& ids) { return ids.defined() ? ids.const_data_ptr<int64_t>() : nullptr; }
+
+// ----------------------------------------------------------------------------------------
+// embedding_sum
+
+// _check_indices of embedding.py: dtypes, the padded (B, L) / packed (N,) forms, shapes.
+void check_indices(const at::Tensor& tokens, const at::Tensor& segments, const std::optional<at::Tensor>& positions) {
+  TORCH_CHECK_TYPE(is_index_dtype(tokens.scalar_type()), "tokens must be an int32 or int64 tensor, got ",
+                   tokens.scalar_type());
+  TORCH_CHECK_TYPE(is_index_dtype(segments.scalar_type()), "segments must be an int32 or int64 tensor, got ",
+                   segments.scalar_type());
+  if (positions.has_value()) {
+    TORCH_CHECK_TYPE(is_index_dtype(positions->scalar_type()), "positions must be an int32 or int64 tensor, got ",
+                     positions->scalar_type());
+  }
+  TORCH_CHECK_VALUE(tokens.dim() == 1 || tokens.dim() == 2,
+                    "tokens must be (B, L) (padded) or (N,) (packed), got shape ", shape_str(tokens));
+  TORCH_CHECK_VALUE(segments.sizes() == tokens.sizes(), "segments must have the shape of tokens ", shape_str(tokens),
+                    ", got ", shape_str(segments));
+  TORCH_CHECK_VALUE(!(tokens.dim() == 1 && !positions.has_value()),
+                    "packed (1-D) tokens need positions (N,) saying which position row each reads");
+  TORCH_CHECK_VALUE(!(tokens.dim() == 2 && positions.has_value()),
+                    "positions are only for packed (1-D) tokens; padded (B, L) tokens read "
+                    "position j at column j");
+  if (positions.has_value()) {
+    TORCH_CHECK_VALUE(positions->sizes() == tokens.sizes(), "positions must have the shape of tokens ",
+                      shape_str(tokens), ", got ", shape_str(*positions));
+  }
+}
+
+void check_max_len(const at::Tensor& tokens, int64_t max_len) {
+  TORCH_CHECK_VALUE(!(tokens.dim() == 2 && tokens.size(1) > max_len), "sequence length ", tokens.size(1),
+                    " exceeds the position table's max_len ", max_len);
+}
+
+void check_ids_on(const at::Device& device, const at::Tensor& tokens, const at::Tensor& segments,
+                  const std::optional<at::Tensor>& positions) {
+  check_on_device("tokens", tokens, device);
+  check_on_device("segments", segments, device);
+  if (positions.has_value()) check_on_device("positions", *positions, device);
+}
+
+at::Tensor embedding_sum_fwd_cuda(const at::Tensor& tokens, const at::Tensor& segments, const at::Tensor& token_weight,
+                                  const at::Tensor& segment_weight, const at::Tensor& pos_weight,
+                                  const std::optional<at::Tensor>& positions) {
+  check_indices(tokens, segments, positions);
+  TORCH_CHECK_VALUE(token_weight.dim() == 2 && segment_weight.dim() == 2,
+                    "token_weight and segment_weight must be 2-D (rows, H), got shapes ", shape_str(token_weight),
+                    " and ", shape_str(segment_weight));
+  TORCH_CHECK_VALUE(pos_weight.dim() == 3 && pos_weight.size(0) == 1, "pos_weight must be (1, max_len, H), got shape ",
+                    shape_str(pos_weight));
+  const int64_t hidden = token_weight.size(1);
+  TORCH_CHECK_VALUE(hidden >= 1, "the tables need H >= 1 features, got H = 0");
+  TORCH_CHECK_VALUE(segment_weight.size(1) == hidden && pos_weight.size(2) == hidden,
+                    "all tables need the same H: token ", hidden, ", segment ", segment_weight.size(1), ", position ",
+                    pos_weight.size(2));
+  TORCH_CHECK_TYPE(token_weight.scalar_type() == segment_weight.scalar_type() &&
+                       token_weight.scalar_type() == pos_weight.scalar_type(),
+                   "all tables need one dtype, got token ", token_weight.scalar_type(), ", segment ",
+                   segment_weight.scalar_type(), ", position ", pos_weight.scalar_type());
+  TORCH_CHECK_TYPE(is_kernel_dtype(token_weight.scalar_type()),
+                   "the CUDA embedding_sum takes float16, bfloat16 or float32 tables, got ", token_weight.scalar_type());
+  const int64_t max_len = pos_weight.size(1);
+  check_max_len(tokens, max_len);
+  const at::Device device = token_weight.device();
+  TORCH_CHECK_VALUE(device.is_cuda(), "token_weight is on ", device, ", expected a CUDA device (this is the CUDA kernel)");
+  check_on_device("segment_weight", segment_weight, device);
+  check_on_device("pos_weight", pos_weight, device);
+  check_ids_on(device, tokens, segments, positions);
+
+  const c10::cuda::CUDAGuard guard(device);
+  const at::Tensor token_ids = flat_ids(tokens);
+  const at::Tensor segment_ids = flat_ids(segments);
+  const at::Tensor position_ids = positions.has_value() ? flat_ids(*positions) : at::Tensor();
+  const at::Tensor token_table = unit_column_stride(token_weight);
+  const at::Tensor segment_table = unit_column_stride(segment_weight);
+  const at::Tensor pos_table = unit_column_stride(pos_weight);
+
+  std::vector<int64_t> out_shape(tokens.sizes().begin(), tokens.sizes().end());
+  out_shape.push_back(hidden);
+  at::Tensor out = at::empty(out_shape, token_weight.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t rows = token_ids.numel();
+  if (rows == 0) return out;
+  check_launch(launch_embedding_sum_fwd(
+      kernel_dtype(token_weight.scalar_type()), out.mutable_data_ptr(), ids_ptr(token_ids), ids_ptr(segment_ids),
+      ids_ptr(position_ids), token_table.const_data_ptr(), token_table.stride(0), segment_table.const_data_ptr(),
+      segment_table.stride(0), pos_table.const_data_ptr(), pos_table.stride(1), rows, tokens.size(-1), hidden,
+      token_table.size(0), segment_table.size(0), max_len, c10::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> embedding_sum_bwd_cuda(
+    const at::Tensor& grad_out, const at::Tensor& tokens, const at::Tensor& segments,
+    const std::optional<at::Tensor>& positions, int64_t n_tokens, int64_t n_segments, int64_t max_len,
+    bool learn_pos_embedding) {
+  check_indices(tokens, segments, positions);
+  TORCH_CHECK_VALUE(grad_out.dim() == tokens.dim() + 1 && grad_out.sizes().slice(0, tokens.dim()) == tokens.sizes(),
+                    "grad_out must be tokens.shape + (H,) = ", shape_str(tokens), " + (H,), got ", shape_str(grad_out));
+  const int64_t hidden = grad_out.size(-1);
+  TORCH_CHECK_VALUE(hidden >= 1, "grad_out needs H >= 1 features, got H = 0");
+  TORCH_CHECK_VALUE(n_tokens >= 1, "n_tokens (rows of that table) must be >= 1, got ", n_tokens);
+  TORCH_CHECK_VALUE(n_segments >= 1, "n_segments (rows of that table) must be >= 1, got ", n_segments);
+  TORCH_CHECK_VALUE(max_len >= 1, "max_len (rows of that table) must be >= 1, got ", max_len);
+  check_max_len(tokens, max_len);
+  TORCH_CHECK_TYPE(is_kernel_dtype(grad_out.scalar_type()),
+                   "the CUDA embedding_sum takes float16, bfloat16 or float32 gradients, got ", grad_out.scalar_type());
+  const at::Device device = grad_out.device();
+  TORCH_CHECK_VALUE(device.is_cuda(), "grad_out is on ", device, ", expected a CUDA device (this is the CUDA kernel)");
+  check_ids_on(device, tokens, segments, positions);
+
+  const c10::cuda::CUDAGuard guard(device);
+  const at::Tensor token_ids = flat_ids(tokens);
+  const at::Tensor segment_ids = flat_ids(segments);
+  const at::Tensor position_ids = positions.has_value() ? flat_ids(*positions) : at::Tensor();
+  const at::Tensor grad = grad_out.contiguous();
+  const auto fp32 = grad_out.options().dtype(at::kFloat);
+  // Atomics add into these, so they start at zero. The padded form scatters into the
+  // (max_len, H) position buffer too: row r reads position r % L, so rows >= L stay zero.
+  at::Tensor token_acc = at::zeros({n_tokens, hidden}, fp32);
+  at::Tensor segment_acc = at::zeros({n_segments, hidden}, fp32);
+  at::Tensor pos_acc = learn_pos_embedding ? at::zeros({max_len, hidden}, fp32) : at::Tensor();
+  const int64_t rows = token_ids.numel();
+  if (rows > 0) {
+    check_launch(launch_embedding_sum_bwd(
+        kernel_dtype(grad.scalar_type()), grad.const_data_ptr(), ids_ptr(token_ids), ids_ptr(segment_ids),
+        ids_ptr(position_ids), token_acc.mutable_data_ptr<float>(), segment_acc.mutable_data_ptr<float>(),
+        pos_acc.defined() ? pos_acc.mutable_data_ptr<float>() : nullptr, rows, tokens.size(-1), hidden, n_tokens,
+        n_segments, max_len, c10::cuda::getCurrentCUDAStream()));
+  }
+  const at::ScalarType dtype = grad_out.scalar_type();
+  // .to is a no-op for fp32, where the accumulators already are the outputs.
+  at::Tensor pos_grad = learn_pos_embedding ? pos_acc.to(dtype).view({1, max_len, hidden})
+                                            : at::empty({0}, grad_out.options());
+  return {token_acc.to(dtype), segment_acc.to(dtype), pos_grad};
+}
+
+// ----------------------------------------------------------------------------------------
+// add_layernorm
+
+// check_seed of bert_fast/ops/_philox.py: read only when there is dropout.
+void check_seed(const std::optional<at::Tensor>& seed, double dropout_p, const at::Device& device) {
+  if (dropout_p <= 0.0) return;
+  TORCH_CHECK_VALUE(seed.has_value(), "dropout_p = ", dropout_p,
+                    " needs a seed: a one-element int64 tensor (bert_fast.ops._philox.dropout_seed)");
+  TORCH_CHECK_VALUE(seed->scalar_type() == at::kLong && seed->numel() == 1,
+                    "seed must be a one-element int64 tensor, got ", seed->scalar_type(), " of shape ",
+                    shape_str(*seed));
+  TORCH_CHECK_VALUE(seed->device() == device, "seed must be on the inputs' device (", device, "), got ",
+                    seed->device());
+}
+
+// _check_fwd_inputs of add_layernorm.py.
+void check_fwd_inputs(const at::Tensor& x, const at::Tensor& residual, const std::optional<at::Tensor>& weight,
+                      const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& seed, double dropout_p) {
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) != 0, "x must have shape (..., H) with H >= 1, got ", shape_str(x));
+  const int64_t hidden = x.size(-1);
+  TORCH_CHECK_VALUE(hidden <= kAddLayerNormMaxHidden, "the CUDA add_layernorm supports H <= ", kAddLayerNormMaxHidden,
+                    ", got H = ", hidden, "; use backend='torch'");
+  TORCH_CHECK_VALUE(residual.sizes() == x.sizes(), "residual must have the shape of x ", shape_str(x), ", got ",
+                    shape_str(residual));
+  for (const auto& [name, t] : {std::pair{"weight", &weight}, std::pair{"bias", &bias}}) {
+    if (t->has_value()) {
+      TORCH_CHECK_VALUE((*t)->dim() == 1 && (*t)->size(0) == hidden, name, " must have shape (", hidden,
+                        ",) or be None, got ", shape_str(**t));
+    }
+  }
+  TORCH_CHECK_TYPE(is_kernel_dtype(x.scalar_type()), "the CUDA add_layernorm takes float16, bfloat16 or float32, got ",
+                   x.scalar_type());
+  TORCH_CHECK_VALUE(x.is_cuda(), "x is on ", x.device(), ", expected a CUDA device (this is the CUDA kernel)");
+  const std::optional<at::Tensor> residual_opt = residual;
+  for (const auto& [name, t] : {std::pair{"residual", &residual_opt}, std::pair{"weight", &weight},
+                                std::pair{"bias", &bias}}) {
+    if (!t->has_value()) continue;
+    TORCH_CHECK_TYPE((*t)->scalar_type() == x.scalar_type(), name, " must have the dtype of x (", x.scalar_type(),
+                     "), got ", (*t)->scalar_type());
+    TORCH_CHECK_VALUE((*t)->device() == x.device(), name, " must be on the device of x (", x.device(), "), got ",
+                      (*t)->device());
+  }
+  TORCH_CHECK_VALUE(dropout_p >= 0.0 && dropout_p <= 1.0, "dropout_p must be in [0, 1], got ", dropout_p);
+  check_seed(seed, dropout_p, x.device());
+}
+
+// The rows of t as a contiguous (rows, H) tensor (a view when t already is).
+at::Tensor as_rows(const at::Tensor& t, int64_t hidden) { return t.reshape({-1, hidden}).contiguous(); }
+
+const void* optional_ptr(const std::optional<at::Tensor>& t) { return t.has_value() ? t->const_data_ptr() : nullptr; }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_layernorm_fwd_cuda(
+    const at::Tensor& x, const at::Tensor& residual, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, double eps, const std::optional<at::Tensor>& seed, double dropout_p) {
+  check_fwd_inputs(x, residual, weight, bias, seed, dropout_p);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t hidden = x.size(-1);
+  const at::Tensor x2 = as_rows(x, hidden);
+  const at::Tensor residual2 = as_rows(residual, hidden);
+  const std::optional<at::Tensor> weight1 = weight.has_value() ? std::optional(weight->contiguous()) : std::nullopt;
+  const std::optional<at::Tensor> bias1 = bias.has_value() ? std::optional(bias->contiguous()) : std::nullopt;
+  const int64_t rows = x2.size(0);
+  at::Tensor out = at::empty({rows, hidden}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const auto fp32 = x.options().dtype(at::kFloat);
+  at::Tensor mean = at::empty({rows}, fp32);
+  at::Tensor rstd = at::empty({rows}, fp32);
+  if (rows > 0) {
+    const bool dropout = dropout_p > 0.0;
+    check_launch(launch_add_layernorm_fwd(
+        kernel_dtype(x.scalar_type()), out.mutable_data_ptr(), mean.mutable_data_ptr<float>(),
+        rstd.mutable_data_ptr<float>(), x2.const_data_ptr(), residual2.const_data_ptr(), optional_ptr(weight1),
+        optional_ptr(bias1), rows, hidden, static_cast<float>(eps),
+        dropout ? seed->const_data_ptr<int64_t>() : nullptr, dropout_p, c10::cuda::getCurrentCUDAStream()));
+  }
+  return {out.view(x.sizes()), mean, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layernorm_bwd_cuda(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& residual,
+    const std::optional<at::Tensor>& weight, const at::Tensor& mean, const at::Tensor& rstd,
+    const std::optional<at::Tensor>& seed, double dropout_p, bool has_bias) {
+  check_fwd_inputs(x, residual, weight, std::nullopt, seed, dropout_p);
+  TORCH_CHECK_VALUE(grad_out.sizes() == x.sizes() && grad_out.scalar_type() == x.scalar_type(),
+                    "grad_out must match x: shape ", shape_str(x), " and dtype ", x.scalar_type(), ", got ",
+                    shape_str(grad_out), " and ", grad_out.scalar_type());
+  const int64_t hidden = x.size(-1);
+  const int64_t rows = x.numel() / hidden;
+  for (const auto& [name, t] : {std::pair{"mean", &mean}, std::pair{"rstd", &rstd}}) {
+    TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == rows && t->scalar_type() == at::kFloat, name,
+                      " must be the forward's float32 (", rows, ",) tensor, got ", t->scalar_type(), " ",
+                      shape_str(*t));
+  }
+  check_on_device("grad_out", grad_out, x.device());
+  check_on_device("mean", mean, x.device());
+  check_on_device("rstd", rstd, x.device());
+
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor grad2 = as_rows(grad_out, hidden);
+  const at::Tensor x2 = as_rows(x, hidden);
+  const at::Tensor residual2 = as_rows(residual, hidden);
+  const at::Tensor mean1 = mean.contiguous();
+  const at::Tensor rstd1 = rstd.contiguous();
+  const std::optional<at::Tensor> weight1 = weight.has_value() ? std::optional(weight->contiguous()) : std::nullopt;
+  const bool dropout = dropout_p > 0.0;
+  const auto options = x.options().memory_format(at::MemoryFormat::Contiguous);
+  const auto fp32 = options.dtype(at::kFloat);
+
+  at::Tensor d_residual = at::empty({rows, hidden}, options);
+  at::Tensor d_x = dropout ? at::empty({rows, hidden}, options) : at::empty({0}, options);
+  at::Tensor d_weight = at::empty({0}, options);
+  at::Tensor d_bias = at::empty({0}, options);
+  if (rows == 0) {
+    if (weight.has_value()) d_weight = at::zeros({hidden}, options);
+    if (has_bias) d_bias = at::zeros({hidden}, options);
+  } else {
+    int64_t partial_rows = 0;
+    check_launch(add_layernorm_bwd_partial_rows(kernel_dtype(x.scalar_type()), rows, hidden, dropout_p,
+                                                x.device().index(), &partial_rows));
+    // Every block writes its partial row, so the buffers need no zeroing.
+    at::Tensor d_weight_partial = weight.has_value() ? at::empty({partial_rows, hidden}, fp32) : at::Tensor();
+    at::Tensor d_bias_partial = has_bias ? at::empty({partial_rows, hidden}, fp32) : at::Tensor();
+    check_launch(launch_add_layernorm_bwd(
+        kernel_dtype(x.scalar_type()), d_residual.mutable_data_ptr(), dropout ? d_x.mutable_data_ptr() : nullptr,
+        d_weight_partial.defined() ? d_weight_partial.mutable_data_ptr<float>() : nullptr,
+        d_bias_partial.defined() ? d_bias_partial.mutable_data_ptr<float>() : nullptr, partial_rows,
+        grad2.const_data_ptr(), x2.const_data_ptr(), residual2.const_data_ptr(), optional_ptr(weight1),
+        mean1.const_data_ptr<float>(), rstd1.const_data_ptr<float>(), rows, hidden,
+        dropout ? seed->const_data_ptr<int64_t>() : nullptr, dropout_p, c10::cuda::getCurrentCUDAStream()));
+    // Stage two of d_weight / d_bias: one torch reduction over the few hundred partial rows.
+    if (d_weight_partial.defined()) d_weight = d_weight_partial.sum(0).to(x.scalar_type());
+    if (d_bias_partial.defined()) d_bias = d_bias_partial.sum(0).to(x.scalar_type());
+  }
+  return {d_residual.view(x.sizes()), dropout ? d_x.view(x.sizes()) : d_x, d_weight, d_bias};
+}
+
+}  // namespace
+}  // namespace bert_fast
+
+TORCH_LIBRARY_IMPL(bert_fast, CUDA, m) {
+  m.impl("ext_embedding_sum_fwd", &bert_fast::embedding_sum_fwd_cuda);
+  m.impl("ext_embedding_sum_bwd", &bert_fast::embedding_sum_bwd_cuda);
+  m.impl("ext_add_layernorm_fwd", &bert_fast::add_layernorm_fwd_cuda);
+  m.impl("ext_add_layernorm_bwd", &bert_fast::add_layernorm_bwd_cuda);
+}
