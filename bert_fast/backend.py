@@ -7,8 +7,8 @@
           kernels on GPU, C++ on CPU), the Triton ops for the others. Needs the extension
           built (bert_fast.extension).
   auto    (the default) decided per call from the inputs' device, so a model moved between
-          devices keeps working: triton for CUDA inputs once the Triton kernels have passed
-          the GPU tests on a GPU (AUTO_USES_TRITON_ON_CUDA), else torch.
+          devices keeps working: triton for CUDA inputs (where Triton is installed), torch
+          for the rest.
 
 Chosen per module (``backend=`` argument), else by the ``BERT_FAST_BACKEND`` environment
 variable, else ``auto``. Asking for a backend this build does not have is an error that says
@@ -21,9 +21,10 @@ from . import extension
 from .ops._triton import HAS_TRITON
 
 BACKENDS = ("auto", "torch", "triton", "cuda")
-# The Triton kernels have so far run only in Triton's interpreter (CPU); until the GPU test
-# suite has passed on a GPU, "auto" keeps CUDA inputs on the torch path. Flip it then.
-AUTO_USES_TRITON_ON_CUDA = False
+# Whether "auto" runs CUDA inputs on the Triton kernels. On, as the product intends; the kernels
+# have been validated in Triton's interpreter and compiled for sm_80/sm_90, not yet run on a
+# GPU (see the README): setting this False keeps CUDA inputs on the torch path.
+AUTO_USES_TRITON_ON_CUDA = True
 
 
 def resolve_backend(backend=None):
