@@ -86,6 +86,19 @@ def test_add_layernorm_dropout_is_the_triton_ops_mask():
         assert_close(a, b, atol=1e-5, what=name)
 
 
+def assert_same_results(module, expected_module, inputs, atol):
+    """Same output and, for a random weighting of it, the same gradient on every parameter."""
+    expected, actual = expected_module(*inputs), module(*inputs)
+    assert_close(actual, expected, atol=atol, what="output")
+    weights = torch.randn_like(expected)
+    (expected * weights).sum().backward()
+    (actual * weights).sum().backward()
+    params = dict(module.named_parameters())
+    for name, p in expected_module.named_parameters():
+        if p.grad is not None:
+            assert_close(params[name].grad, p.grad, atol=atol, rtol=atol, what=f"grad {name}")
+
+
 def test_encoder_on_the_cuda_backend_matches_the_reference():
     ref, fast = encoder_pair(encoder_config(num_heads=2, head_dim=16), backend="cuda", learn_pos_embedding=True)
     ref.pos_embedding.requires_grad_(True)
@@ -93,15 +106,7 @@ def test_encoder_on_the_cuda_backend_matches_the_reference():
     valid_lens = torch.tensor([4, 0, 11.5])
     for module in (ref, fast):
         module.train()
-    out_ref, out_fast = ref(tokens, segments, valid_lens), fast(tokens, segments, valid_lens)
-    assert_close(out_fast, out_ref, atol=1e-4, what="output")
-    weights = torch.randn_like(out_ref)
-    (out_ref * weights).sum().backward()
-    (out_fast * weights).sum().backward()
-    fast_params = dict(fast.named_parameters())
-    for name, p in ref.named_parameters():
-        if p.grad is not None:
-            assert_close(fast_params[name].grad, p.grad, atol=1e-4, rtol=1e-4, what=f"grad {name}")
+    assert_same_results(fast, ref, (tokens, segments, valid_lens), atol=1e-4)
 
 
 def test_fullgraph_compile_through_the_extension_ops():
@@ -129,3 +134,13 @@ def test_info_reports_the_extension():
     text = "\n".join(report())
     assert "cuda    available" in text and "torch.ops.bert_fast.ext_add_layernorm_fwd: CPU" in text
     assert extension.loaded_from() is not None
+
+
+def test_skip_padding_on_the_cuda_backend_matches_the_torch_backend():
+    """skip_padding embeds the packed valid tokens (the ext op's packed form) and normalises them."""
+    config = encoder_config(num_heads=2, head_dim=16)
+    _, on_torch = encoder_pair(config, backend="torch", skip_padding=True)
+    _, on_ext = encoder_pair(config, backend="cuda", skip_padding=True)
+    on_ext.load_state_dict(on_torch.state_dict())
+    tokens, segments = random_inputs(3, 10, 50)
+    assert_same_results(on_ext, on_torch, (tokens, segments, torch.tensor([4, 10, 1])), atol=1e-5)
