@@ -15,8 +15,14 @@ from bert_fast.bench import METHOD_NAMES, first_call, max_error, synchronize
 FP32_TOLERANCE = 1e-4
 
 
-@pytest.mark.parametrize("method_name", METHOD_NAMES)
+BACKEND_METHODS = [f"{name}[{backend}]" for backend in ("torch", "triton", "cuda")
+                   for name in ("fast", "fast_skip_padding")]
+
+
+@pytest.mark.parametrize("method_name", [*METHOD_NAMES, *BACKEND_METHODS])
 def test_encoder_forward(benchmark, bench_case, method_name):
+    if method_name not in bench_case.models.methods:
+        pytest.skip(f"{method_name}: that backend is not available here")
     method = bench_case.models.methods[method_name]
     inputs, device = bench_case.inputs, bench_case.device
     benchmark.group = bench_case.shape.id

@@ -31,7 +31,8 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
-from . import ops
+from . import extension, ops
+from .backend import BACKENDS, backend_for
 from .modules import FastBERTEncoder
 from .reference import BERTEncoder
 
@@ -94,8 +95,11 @@ class BenchModels(NamedTuple):
     config: dict               # encoder_config(preset)
 
 
-def build_models(preset, dtype, device, *, seed=0, include_compile=True):
+def build_models(preset, dtype, device, *, seed=0, include_compile=True, backends=("auto",)):
     """The benchmarked methods of one preset, all on the same weights, in eval mode.
+
+    ``backends``: the FastBERTEncoder backends to time; methods of a backend other than "auto"
+    are named with it, e.g. "fast[cuda]".
 
     The reference is initialised on the CPU with ``seed`` (the same weights on every device),
     then moved. The fast encoders are built on the meta device and take the eager encoder's
@@ -109,11 +113,13 @@ def build_models(preset, dtype, device, *, seed=0, include_compile=True):
     methods = {"eager": Method("eager", eager)}
     if include_compile:
         methods["compile"] = Method("compile", torch.compile(eager), may_fail=True)
-    for name, skip_padding in (("fast", False), ("fast_skip_padding", True)):
-        with torch.device("meta"):
-            fast = FastBERTEncoder(**config, skip_padding=skip_padding)
-        fast.load_state_dict(eager.state_dict(), strict=True, assign=True)
-        methods[name] = Method(name, fast.eval(), valid_positions_only=skip_padding)
+    for backend in backends:
+        for name, skip_padding in (("fast", False), ("fast_skip_padding", True)):
+            name = name if backend == "auto" else f"{name}[{backend}]"
+            with torch.device("meta"):
+                fast = FastBERTEncoder(**config, skip_padding=skip_padding, backend=backend)
+            fast.load_state_dict(eager.state_dict(), strict=True, assign=True)
+            methods[name] = Method(name, fast.eval(), valid_positions_only=skip_padding)
     return BenchModels(methods, reference, config)
 
 
@@ -365,7 +371,9 @@ def environment_info(device):
         device_name=(torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()),
         cpu_count=os.cpu_count(), torch_num_threads=torch.get_num_threads(),
         torch=torch.__version__, triton=triton_version, cuda=torch.version.cuda,
-        python=platform.python_version(), platform=platform.platform())
+        python=platform.python_version(), platform=platform.platform(),
+        auto_backend=backend_for("auto", device),
+        extension=extension.loaded_from() if extension.load() else None)
 
 
 def make_record(rows, *, preset, config, batch, seqs, min_len_frac, dtype, seed, repeats, warmup,
@@ -462,6 +470,8 @@ def parse_args(argv=None):
                         help="untimed calls per method before timing; the first one compiles and is "
                              "checked (default: the preset's; base: 1)")
     parser.add_argument("--no-compile", action="store_true", help="leave out torch.compile")
+    parser.add_argument("--backends", nargs="+", default=["auto"], choices=BACKENDS,
+                        help="FastBERTEncoder backends to time (default: auto); e.g. --backends auto cuda")
     parser.add_argument("--device", help="e.g. cpu, cuda, cuda:1 (default: cuda if available, else cpu)")
     parser.add_argument("--json", metavar="PATH", help="write the results (and environment) here")
     parser.add_argument("--plot", metavar="PATH", help="PNG of speedup vs eager against seq")
@@ -501,7 +511,7 @@ def main(argv=None):
     device = torch.device(args.device) if args.device else default_device()
     dtype = DTYPES[args.dtype]
     models = build_models(args.preset, dtype, device, seed=args.seed,
-                          include_compile=not args.no_compile)
+                          include_compile=not args.no_compile, backends=args.backends)
     config = models.config
     print(f"preset {args.preset} (H {config['num_hiddens']}, {config['num_layers']} layers, "
           f"{config['num_heads']} heads, FFN {config['ffn_num_hiddens']}), batch {args.batch}, "
