@@ -22,7 +22,7 @@ BACKEND_METHODS = [f"{name}[{backend}]" for backend in ("torch", "triton", "cuda
 @pytest.mark.parametrize("method_name", [*METHOD_NAMES, *BACKEND_METHODS])
 def test_encoder_forward(benchmark, bench_case, method_name):
     if method_name not in bench_case.models.methods:
-        pytest.skip(f"{method_name}: that backend is not available here")
+        pytest.skip(f"{method_name}: not run here (backend unavailable, or the one \"auto\" picks)")
     method = bench_case.models.methods[method_name]
     inputs, device = bench_case.inputs, bench_case.device
     benchmark.group = bench_case.shape.id
