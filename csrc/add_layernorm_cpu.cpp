@@ -22,10 +22,10 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
-#include <string>
 #include <tuple>
 #include <vector>
 
+#include "op_checks.h"
 #include "philox.h"
 
 namespace bert_fast {
@@ -36,10 +36,6 @@ constexpr int64_t kGrainElements = 16384;
 // Backward reduction: at most this many partial rows, and at least kMinChunkRows rows each.
 constexpr int64_t kMaxChunks = 256;
 constexpr int64_t kMinChunkRows = 8;
-
-std::string shape_str(const at::Tensor& t) {
-  return c10::str(t.sizes());
-}
 
 // Independent partial sums, one per lane, added at the end: vectorisable and reproducible.
 template <typename acc_t>
@@ -185,51 +181,22 @@ void convert_row(const scalar_t* __restrict__ values, acc_t* __restrict__ conver
   for (int64_t col = 0; col < hidden; ++col) converted[col] = static_cast<acc_t>(values[col]);
 }
 
-void check_dropout_p(double dropout_p) {
-  TORCH_CHECK_VALUE(dropout_p >= 0.0 && dropout_p <= 1.0, "dropout_p must be in [0, 1], got ", dropout_p);
-}
-
-void check_same(const char* name, const std::optional<at::Tensor>& t, const at::Tensor& x) {
-  if (!t.has_value()) return;
-  TORCH_CHECK_TYPE(t->scalar_type() == x.scalar_type(), name, " must have the dtype of x (",
-                   x.scalar_type(), "), got ", t->scalar_type());
-  TORCH_CHECK_VALUE(t->device() == x.device(), name, " must be on the device of x (", x.device(), "), got ",
-                    t->device());
-}
-
 // _check_fwd_inputs of add_layernorm.py (without the Triton H limit), for x on the CPU.
 void check_inputs(const at::Tensor& x, const at::Tensor& residual, const std::optional<at::Tensor>& weight,
                   const std::optional<at::Tensor>& bias, double dropout_p) {
-  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) >= 1, "x must have shape (..., H) with H >= 1, got ",
-                    shape_str(x));
-  const int64_t hidden = x.size(-1);
-  TORCH_CHECK_VALUE(residual.sizes() == x.sizes(), "residual must have the shape of x ", shape_str(x),
-                    ", got ", shape_str(residual));
-  for (const auto& [name, t] : {std::pair{"weight", &weight}, std::pair{"bias", &bias}}) {
-    if (t->has_value()) {
-      TORCH_CHECK_VALUE((*t)->dim() == 1 && (*t)->size(0) == hidden, name, " must have shape (", hidden,
-                        ",) or be None, got ", shape_str(**t));
-    }
-  }
+  check_layernorm_shapes(x, residual, weight, bias);
   const at::ScalarType dtype = x.scalar_type();
   TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16,
                    "the C++ add_layernorm takes float32, float64, float16 or bfloat16, got ", dtype);
   TORCH_CHECK_VALUE(x.device().is_cpu(), "x is on ", x.device(), ", expected cpu (this is the CPU kernel)");
-  check_same("residual", residual, x);
-  check_same("weight", weight, x);
-  check_same("bias", bias, x);
+  check_like_x(x, residual, weight, bias);
   check_dropout_p(dropout_p);
 }
 
 // The seed as philox.h takes it (the bits of the int64), checked only when dropout is on.
 uint64_t read_seed(const std::optional<at::Tensor>& seed, double dropout_p) {
+  check_seed(seed, dropout_p, at::Device(at::kCPU));
   if (dropout_p <= 0.0) return 0;
-  TORCH_CHECK_VALUE(seed.has_value() && seed->defined(), "dropout_p = ", dropout_p,
-                    " needs a seed: a one-element int64 tensor (bert_fast.ops._philox.dropout_seed)");
-  TORCH_CHECK_VALUE(seed->scalar_type() == at::kLong && seed->numel() == 1,
-                    "seed must be a one-element int64 tensor, got ", seed->scalar_type(), " of shape ",
-                    shape_str(*seed));
-  TORCH_CHECK_VALUE(seed->device().is_cpu(), "seed must be on the inputs' device (cpu), got ", seed->device());
   return static_cast<uint64_t>(*seed->const_data_ptr<int64_t>());
 }
 
@@ -294,11 +261,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layernorm_bwd_cpu
     const std::optional<at::Tensor>& weight, const at::Tensor& mean, const at::Tensor& rstd,
     const std::optional<at::Tensor>& seed, double dropout_p, bool has_bias) {
   check_inputs(x, residual, weight, std::nullopt, dropout_p);
-  TORCH_CHECK_VALUE(grad_out.sizes() == x.sizes() && grad_out.scalar_type() == x.scalar_type(),
-                    "grad_out must match x: shape ", shape_str(x), " and dtype ", x.scalar_type(), ", got ",
-                    shape_str(grad_out), " and ", grad_out.scalar_type());
-  TORCH_CHECK_VALUE(grad_out.device() == x.device(), "grad_out must be on the device of x (", x.device(),
-                    "), got ", grad_out.device());
+  check_grad_like_x(grad_out, x);
   const int64_t hidden = x.size(-1);
   const int64_t n_rows = x.numel() / hidden;
   const at::ScalarType stats = stats_dtype(x.scalar_type());
@@ -306,8 +269,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layernorm_bwd_cpu
     TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == n_rows && t->scalar_type() == stats, name,
                       " must be the forward's ",
                       stats, " (", n_rows, ",) tensor, got ", t->scalar_type(), " ", shape_str(*t));
-    TORCH_CHECK_VALUE(t->device() == x.device(), name, " must be on the device of x (", x.device(), "), got ",
-                      t->device());
+    check_on_device_of_x(name, *t, x);
   }
   const uint64_t seed_bits = read_seed(seed, dropout_p);
   const bool has_dropout = dropout_p > 0.0;

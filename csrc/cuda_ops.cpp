@@ -3,10 +3,11 @@
 // launch functions (kernels.h) in .cu files that include no torch headers.
 //
 // The checks mirror _check_fwd_inputs / _check_bwd_inputs of bert_fast/ops/embedding.py and
-// add_layernorm.py (ValueError for shapes, values and devices, TypeError for dtypes), with the
-// messages of the C++ CPU ops. Unlike the CPU ops, ids are not range-checked here: that would
-// need a host synchronisation; the module checks them once per batch, and the kernels never
-// dereference an out-of-range id (see kernels.h).
+// add_layernorm.py (ValueError for shapes, values and devices, TypeError for dtypes); those that
+// do not depend on the device are shared with the C++ CPU ops (op_checks.h). Unlike the CPU
+// ops, ids are not range-checked here: that would need a host synchronisation; the module
+// checks them once per batch, and the kernels never dereference an out-of-range id (see
+// kernels.h).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -18,18 +19,14 @@
 #include <cuda_runtime_api.h>
 
 #include <optional>
-#include <string>
 #include <tuple>
 #include <vector>
 
 #include "kernels.h"
+#include "op_checks.h"
 
 namespace bert_fast {
 namespace {
-
-std::string shape_str(const at::Tensor& t) { return c10::str(t.sizes()); }
-
-bool is_index_dtype(at::ScalarType dtype) { return dtype == at::kInt || dtype == at::kLong; }
 
 bool is_kernel_dtype(at::ScalarType dtype) {
   return dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16;
@@ -61,36 +58,6 @@ const int64_t* ids_ptr(const at::Tensor& ids) { return ids.defined() ? ids.const
 // ----------------------------------------------------------------------------------------
 // embedding_sum
 
-// _check_indices of embedding.py: dtypes, the padded (B, L) / packed (N,) forms, shapes.
-void check_indices(const at::Tensor& tokens, const at::Tensor& segments, const std::optional<at::Tensor>& positions) {
-  TORCH_CHECK_TYPE(is_index_dtype(tokens.scalar_type()), "tokens must be an int32 or int64 tensor, got ",
-                   tokens.scalar_type());
-  TORCH_CHECK_TYPE(is_index_dtype(segments.scalar_type()), "segments must be an int32 or int64 tensor, got ",
-                   segments.scalar_type());
-  if (positions.has_value()) {
-    TORCH_CHECK_TYPE(is_index_dtype(positions->scalar_type()), "positions must be an int32 or int64 tensor, got ",
-                     positions->scalar_type());
-  }
-  TORCH_CHECK_VALUE(tokens.dim() == 1 || tokens.dim() == 2,
-                    "tokens must be (B, L) (padded) or (N,) (packed), got shape ", shape_str(tokens));
-  TORCH_CHECK_VALUE(segments.sizes() == tokens.sizes(), "segments must have the shape of tokens ", shape_str(tokens),
-                    ", got ", shape_str(segments));
-  TORCH_CHECK_VALUE(!(tokens.dim() == 1 && !positions.has_value()),
-                    "packed (1-D) tokens need positions (N,) saying which position row each reads");
-  TORCH_CHECK_VALUE(!(tokens.dim() == 2 && positions.has_value()),
-                    "positions are only for packed (1-D) tokens; padded (B, L) tokens read "
-                    "position j at column j");
-  if (positions.has_value()) {
-    TORCH_CHECK_VALUE(positions->sizes() == tokens.sizes(), "positions must have the shape of tokens ",
-                      shape_str(tokens), ", got ", shape_str(*positions));
-  }
-}
-
-void check_max_len(const at::Tensor& tokens, int64_t max_len) {
-  TORCH_CHECK_VALUE(!(tokens.dim() == 2 && tokens.size(1) > max_len), "sequence length ", tokens.size(1),
-                    " exceeds the position table's max_len ", max_len);
-}
-
 void check_ids_on(const at::Device& device, const at::Tensor& tokens, const at::Tensor& segments,
                   const std::optional<at::Tensor>& positions) {
   check_on_device("tokens", tokens, device);
@@ -102,20 +69,8 @@ at::Tensor embedding_sum_fwd_cuda(const at::Tensor& tokens, const at::Tensor& se
                                   const at::Tensor& segment_weight, const at::Tensor& pos_weight,
                                   const std::optional<at::Tensor>& positions) {
   check_indices(tokens, segments, positions);
-  TORCH_CHECK_VALUE(token_weight.dim() == 2 && segment_weight.dim() == 2,
-                    "token_weight and segment_weight must be 2-D (rows, H), got shapes ", shape_str(token_weight),
-                    " and ", shape_str(segment_weight));
-  TORCH_CHECK_VALUE(pos_weight.dim() == 3 && pos_weight.size(0) == 1, "pos_weight must be (1, max_len, H), got shape ",
-                    shape_str(pos_weight));
+  check_tables(token_weight, segment_weight, pos_weight);
   const int64_t hidden = token_weight.size(1);
-  TORCH_CHECK_VALUE(hidden >= 1, "the tables need H >= 1 features, got H = 0");
-  TORCH_CHECK_VALUE(segment_weight.size(1) == hidden && pos_weight.size(2) == hidden,
-                    "all tables need the same H: token ", hidden, ", segment ", segment_weight.size(1), ", position ",
-                    pos_weight.size(2));
-  TORCH_CHECK_TYPE(token_weight.scalar_type() == segment_weight.scalar_type() &&
-                       token_weight.scalar_type() == pos_weight.scalar_type(),
-                   "all tables need one dtype, got token ", token_weight.scalar_type(), ", segment ",
-                   segment_weight.scalar_type(), ", position ", pos_weight.scalar_type());
   TORCH_CHECK_TYPE(is_kernel_dtype(token_weight.scalar_type()),
                    "the CUDA embedding_sum takes float16, bfloat16 or float32 tables, got ", token_weight.scalar_type());
   const int64_t max_len = pos_weight.size(1);
@@ -152,14 +107,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> embedding_sum_bwd_cuda(
     const std::optional<at::Tensor>& positions, int64_t n_tokens, int64_t n_segments, int64_t max_len,
     bool learn_pos_embedding) {
   check_indices(tokens, segments, positions);
-  TORCH_CHECK_VALUE(grad_out.dim() == tokens.dim() + 1 && grad_out.sizes().slice(0, tokens.dim()) == tokens.sizes(),
-                    "grad_out must be tokens.shape + (H,) = ", shape_str(tokens), " + (H,), got ", shape_str(grad_out));
+  check_embedding_grad(grad_out, tokens, n_tokens, n_segments, max_len);
   const int64_t hidden = grad_out.size(-1);
-  TORCH_CHECK_VALUE(hidden >= 1, "grad_out needs H >= 1 features, got H = 0");
-  TORCH_CHECK_VALUE(n_tokens >= 1, "n_tokens (rows of that table) must be >= 1, got ", n_tokens);
-  TORCH_CHECK_VALUE(n_segments >= 1, "n_segments (rows of that table) must be >= 1, got ", n_segments);
-  TORCH_CHECK_VALUE(max_len >= 1, "max_len (rows of that table) must be >= 1, got ", max_len);
-  check_max_len(tokens, max_len);
   TORCH_CHECK_TYPE(is_kernel_dtype(grad_out.scalar_type()),
                    "the CUDA embedding_sum takes float16, bfloat16 or float32 gradients, got ", grad_out.scalar_type());
   const at::Device device = grad_out.device();
@@ -195,46 +144,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> embedding_sum_bwd_cuda(
 // ----------------------------------------------------------------------------------------
 // add_layernorm
 
-// check_seed of bert_fast/ops/_philox.py: read only when there is dropout.
-void check_seed(const std::optional<at::Tensor>& seed, double dropout_p, const at::Device& device) {
-  if (dropout_p <= 0.0) return;
-  TORCH_CHECK_VALUE(seed.has_value(), "dropout_p = ", dropout_p,
-                    " needs a seed: a one-element int64 tensor (bert_fast.ops._philox.dropout_seed)");
-  TORCH_CHECK_VALUE(seed->scalar_type() == at::kLong && seed->numel() == 1,
-                    "seed must be a one-element int64 tensor, got ", seed->scalar_type(), " of shape ",
-                    shape_str(*seed));
-  TORCH_CHECK_VALUE(seed->device() == device, "seed must be on the inputs' device (", device, "), got ",
-                    seed->device());
-}
-
 // _check_fwd_inputs of add_layernorm.py.
 void check_fwd_inputs(const at::Tensor& x, const at::Tensor& residual, const std::optional<at::Tensor>& weight,
                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& seed, double dropout_p) {
-  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) != 0, "x must have shape (..., H) with H >= 1, got ", shape_str(x));
+  check_layernorm_shapes(x, residual, weight, bias);
   const int64_t hidden = x.size(-1);
   TORCH_CHECK_VALUE(hidden <= kAddLayerNormMaxHidden, "the CUDA add_layernorm supports H <= ", kAddLayerNormMaxHidden,
                     ", got H = ", hidden, "; use backend='torch'");
-  TORCH_CHECK_VALUE(residual.sizes() == x.sizes(), "residual must have the shape of x ", shape_str(x), ", got ",
-                    shape_str(residual));
-  for (const auto& [name, t] : {std::pair{"weight", &weight}, std::pair{"bias", &bias}}) {
-    if (t->has_value()) {
-      TORCH_CHECK_VALUE((*t)->dim() == 1 && (*t)->size(0) == hidden, name, " must have shape (", hidden,
-                        ",) or be None, got ", shape_str(**t));
-    }
-  }
   TORCH_CHECK_TYPE(is_kernel_dtype(x.scalar_type()), "the CUDA add_layernorm takes float16, bfloat16 or float32, got ",
                    x.scalar_type());
   TORCH_CHECK_VALUE(x.is_cuda(), "x is on ", x.device(), ", expected a CUDA device (this is the CUDA kernel)");
-  const std::optional<at::Tensor> residual_opt = residual;
-  for (const auto& [name, t] : {std::pair{"residual", &residual_opt}, std::pair{"weight", &weight},
-                                std::pair{"bias", &bias}}) {
-    if (!t->has_value()) continue;
-    TORCH_CHECK_TYPE((*t)->scalar_type() == x.scalar_type(), name, " must have the dtype of x (", x.scalar_type(),
-                     "), got ", (*t)->scalar_type());
-    TORCH_CHECK_VALUE((*t)->device() == x.device(), name, " must be on the device of x (", x.device(), "), got ",
-                      (*t)->device());
-  }
-  TORCH_CHECK_VALUE(dropout_p >= 0.0 && dropout_p <= 1.0, "dropout_p must be in [0, 1], got ", dropout_p);
+  check_like_x(x, residual, weight, bias);
+  check_dropout_p(dropout_p);
   check_seed(seed, dropout_p, x.device());
 }
 
@@ -274,19 +195,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layernorm_bwd_cud
     const std::optional<at::Tensor>& weight, const at::Tensor& mean, const at::Tensor& rstd,
     const std::optional<at::Tensor>& seed, double dropout_p, bool has_bias) {
   check_fwd_inputs(x, residual, weight, std::nullopt, seed, dropout_p);
-  TORCH_CHECK_VALUE(grad_out.sizes() == x.sizes() && grad_out.scalar_type() == x.scalar_type(),
-                    "grad_out must match x: shape ", shape_str(x), " and dtype ", x.scalar_type(), ", got ",
-                    shape_str(grad_out), " and ", grad_out.scalar_type());
+  check_grad_like_x(grad_out, x);
   const int64_t hidden = x.size(-1);
   const int64_t rows = x.numel() / hidden;
   for (const auto& [name, t] : {std::pair{"mean", &mean}, std::pair{"rstd", &rstd}}) {
     TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == rows && t->scalar_type() == at::kFloat, name,
                       " must be the forward's float32 (", rows, ",) tensor, got ", t->scalar_type(), " ",
                       shape_str(*t));
+    check_on_device_of_x(name, *t, x);
   }
-  check_on_device("grad_out", grad_out, x.device());
-  check_on_device("mean", mean, x.device());
-  check_on_device("rstd", rstd, x.device());
 
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor grad2 = as_rows(grad_out, hidden);

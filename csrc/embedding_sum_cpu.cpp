@@ -19,9 +19,10 @@
 
 #include <algorithm>
 #include <optional>
-#include <string>
 #include <tuple>
 #include <vector>
+
+#include "op_checks.h"
 
 namespace bert_fast {
 namespace {
@@ -31,47 +32,8 @@ constexpr int64_t kGrainElements = 32768;
 // Hidden columns per backward work item: 16 fp32 = one 64-byte cache line of the accumulators.
 constexpr int64_t kColumnBlock = 16;
 
-std::string shape_str(const at::Tensor& t) {
-  return c10::str(t.sizes());
-}
-
-bool is_index_dtype(at::ScalarType dtype) {
-  return dtype == at::kInt || dtype == at::kLong;
-}
-
 bool is_table_dtype(at::ScalarType dtype) {
   return dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16;
-}
-
-// _check_indices of embedding.py: dtypes, the padded (B, L) / packed (N,) forms, shapes.
-void check_indices(const at::Tensor& tokens, const at::Tensor& segments,
-                   const std::optional<at::Tensor>& positions) {
-  TORCH_CHECK_TYPE(is_index_dtype(tokens.scalar_type()),
-                   "tokens must be an int32 or int64 tensor, got ", tokens.scalar_type());
-  TORCH_CHECK_TYPE(is_index_dtype(segments.scalar_type()),
-                   "segments must be an int32 or int64 tensor, got ", segments.scalar_type());
-  if (positions.has_value()) {
-    TORCH_CHECK_TYPE(is_index_dtype(positions->scalar_type()),
-                     "positions must be an int32 or int64 tensor, got ", positions->scalar_type());
-  }
-  TORCH_CHECK_VALUE(tokens.dim() == 1 || tokens.dim() == 2,
-                    "tokens must be (B, L) (padded) or (N,) (packed), got shape ", shape_str(tokens));
-  TORCH_CHECK_VALUE(segments.sizes() == tokens.sizes(), "segments must have the shape of tokens ",
-                    shape_str(tokens), ", got ", shape_str(segments));
-  TORCH_CHECK_VALUE(!(tokens.dim() == 1 && !positions.has_value()),
-                    "packed (1-D) tokens need positions (N,) saying which position row each reads");
-  TORCH_CHECK_VALUE(!(tokens.dim() == 2 && positions.has_value()),
-                    "positions are only for packed (1-D) tokens; padded (B, L) tokens read "
-                    "position j at column j");
-  if (positions.has_value()) {
-    TORCH_CHECK_VALUE(positions->sizes() == tokens.sizes(), "positions must have the shape of tokens ",
-                      shape_str(tokens), ", got ", shape_str(*positions));
-  }
-}
-
-void check_max_len(const at::Tensor& tokens, int64_t max_len) {
-  TORCH_CHECK_VALUE(!(tokens.dim() == 2 && tokens.size(1) > max_len), "sequence length ",
-                    tokens.size(1), " exceeds the position table's max_len ", max_len);
 }
 
 void check_on_cpu(const char* name, const at::Tensor& t) {
@@ -121,20 +83,8 @@ at::Tensor embedding_sum_fwd_cpu(const at::Tensor& tokens, const at::Tensor& seg
                                  const at::Tensor& token_weight, const at::Tensor& segment_weight,
                                  const at::Tensor& pos_weight, const std::optional<at::Tensor>& positions) {
   check_indices(tokens, segments, positions);
-  TORCH_CHECK_VALUE(token_weight.dim() == 2 && segment_weight.dim() == 2,
-                    "token_weight and segment_weight must be 2-D (rows, H), got shapes ",
-                    shape_str(token_weight), " and ", shape_str(segment_weight));
-  TORCH_CHECK_VALUE(pos_weight.dim() == 3 && pos_weight.size(0) == 1,
-                    "pos_weight must be (1, max_len, H), got shape ", shape_str(pos_weight));
+  check_tables(token_weight, segment_weight, pos_weight);
   const int64_t hidden = token_weight.size(1);
-  TORCH_CHECK_VALUE(hidden >= 1, "the tables need H >= 1 features, got H = 0");
-  TORCH_CHECK_VALUE(segment_weight.size(1) == hidden && pos_weight.size(2) == hidden,
-                    "all tables need the same H: token ", hidden, ", segment ", segment_weight.size(1),
-                    ", position ", pos_weight.size(2));
-  TORCH_CHECK_TYPE(token_weight.scalar_type() == segment_weight.scalar_type() &&
-                       token_weight.scalar_type() == pos_weight.scalar_type(),
-                   "all tables need one dtype, got token ", token_weight.scalar_type(), ", segment ",
-                   segment_weight.scalar_type(), ", position ", pos_weight.scalar_type());
   TORCH_CHECK_TYPE(is_table_dtype(token_weight.scalar_type()),
                    "the C++ embedding_sum takes float32, float64, float16 or bfloat16 tables, got ",
                    token_weight.scalar_type());
@@ -195,15 +145,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> embedding_sum_bwd_cpu(
     const std::optional<at::Tensor>& positions, int64_t n_tokens, int64_t n_segments, int64_t max_len,
     bool learn_pos_embedding) {
   check_indices(tokens, segments, positions);
-  TORCH_CHECK_VALUE(grad_out.dim() == tokens.dim() + 1 && grad_out.sizes().slice(0, tokens.dim()) == tokens.sizes(),
-                    "grad_out must be tokens.shape + (H,) = ", shape_str(tokens), " + (H,), got ",
-                    shape_str(grad_out));
+  check_embedding_grad(grad_out, tokens, n_tokens, n_segments, max_len);
   const int64_t hidden = grad_out.size(-1);
-  TORCH_CHECK_VALUE(hidden >= 1, "grad_out needs H >= 1 features, got H = 0");
-  TORCH_CHECK_VALUE(n_tokens >= 1, "n_tokens (rows of that table) must be >= 1, got ", n_tokens);
-  TORCH_CHECK_VALUE(n_segments >= 1, "n_segments (rows of that table) must be >= 1, got ", n_segments);
-  TORCH_CHECK_VALUE(max_len >= 1, "max_len (rows of that table) must be >= 1, got ", max_len);
-  check_max_len(tokens, max_len);
   TORCH_CHECK_TYPE(is_table_dtype(grad_out.scalar_type()),
                    "the C++ embedding_sum takes float32, float64, float16 or bfloat16 gradients, got ",
                    grad_out.scalar_type());
