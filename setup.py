@@ -86,5 +86,6 @@ setup(
     extras_require={
         "test": ["pytest", "pytest-benchmark", "ninja"],
         "plot": ["matplotlib"],
+        "peers": ["transformers"],  # HF BertModel, a peer of the GPU benchmark matrix (bert_fast.peers)
     },
 )

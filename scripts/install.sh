@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install bert_fast for development into the current Python environment: PyTorch first
 # (kept if already installed; the CPU build on a machine without an NVIDIA GPU, so pip does
-# not pull several GB of CUDA packages), then this package with its test and plot extras,
+# not pull several GB of CUDA packages), then this package with its test, plot and peers
+# (transformers, a benchmark peer) extras,
 # compiling its extension (C++ CPU ops; CUDA ops too where CUDA is present; see setup.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,5 +21,5 @@ fi
 # The compiled extension (csrc/) builds against the PyTorch installed above, so no build
 # isolation; setuptools and ninja (parallel C++/CUDA compiles) must be here first.
 "$PYTHON" -m pip install setuptools wheel ninja
-"$PYTHON" -m pip install --no-build-isolation -e ".[test,plot]"
+"$PYTHON" -m pip install --no-build-isolation -e ".[test,plot,peers]"
 "$PYTHON" -m bert_fast.info
