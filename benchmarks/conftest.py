@@ -6,9 +6,8 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from bert_fast import extension
-from bert_fast.backend import backend_for
 from bert_fast.bench import BenchModels, EncoderInputs, build_models, default_device, make_inputs
+from bert_fast.bench_suite import default_backends
 
 
 class BenchShape(NamedTuple):
@@ -28,12 +27,6 @@ BENCH_SHAPES = [BenchShape("small", batch=4, seq=64), BenchShape("demo", batch=4
 
 
 
-def bench_backends(device):
-    """"auto", and every other backend this install can run (not again the one auto picks)."""
-    available = ("torch", "triton") + (("cuda",) if extension.load() else ())
-    return ("auto", *(b for b in available if b != backend_for("auto", device)))
-
-
 
 class BenchCase(NamedTuple):
     shape: BenchShape
@@ -47,7 +40,7 @@ class BenchCase(NamedTuple):
 def bench_case(request):
     shape = request.param
     device = default_device()
-    models = build_models(shape.preset, torch.float32, device, seed=0, backends=bench_backends(device))
+    models = build_models(shape.preset, torch.float32, device, seed=0, backends=default_backends(device))
     inputs = make_inputs(shape.batch, shape.seq, shape.min_len_frac, models.config["vocab_size"],
                          seed=0, device=device)
     with torch.inference_mode():

@@ -12,7 +12,9 @@ method once (the order rotates from round to round), and the median and p90 come
 same rounds for all methods. Every method's output is checked against an fp32 eager forward.
 
 The pieces (build_models, make_inputs, max_error, run_benchmark, format_table, write_json,
-plot_speedup) are reused by ``benchmarks/test_bench_encoder.py``.
+plot_speedup) are reused by ``benchmarks/test_bench_encoder.py`` and by the benchmark matrix,
+``python -m bert_fast.bench --suite gpu`` (bert_fast/bench_suite.py), whose records
+``--table-from`` prints as markdown and ``--plot-from`` draws.
 """
 
 import argparse
@@ -444,9 +446,22 @@ def _describe(record):
 
 
 def plot_from_json(paths, out_path):
-    """Plot one or more saved ``--json`` results into one PNG."""
-    plot_speedup([load_json(path) for path in paths], out_path,
-                 labels=[Path(path).stem for path in paths])
+    """Plot one or more saved ``--json`` results (or ``--suite`` records) into one PNG."""
+    from . import bench_suite
+
+    records = [load_json(path) for path in paths]
+    labels = [Path(path).stem for path in paths]
+    if any(bench_suite.is_suite_record(record) for record in records):
+        bench_suite.plot_suite(records, out_path, labels=labels)
+    else:
+        plot_speedup(records, out_path, labels=labels)
+
+
+def suite_requested(argv):
+    """Whether the command line asks for the benchmark matrix, which has its own options."""
+    probe = argparse.ArgumentParser(add_help=False)
+    probe.add_argument("--suite")
+    return probe.parse_known_args(argv)[0].suite is not None
 
 
 def parse_args(argv=None):
@@ -476,8 +491,16 @@ def parse_args(argv=None):
     parser.add_argument("--json", metavar="PATH", help="write the results (and environment) here")
     parser.add_argument("--plot", metavar="PATH", help="PNG of speedup vs eager against seq")
     parser.add_argument("--plot-from", metavar="JSON", nargs="+",
-                        help="only plot these saved --json results into --plot PATH (no benchmark)")
+                        help="only plot these saved --json results (or --suite records) into --plot "
+                             "PATH (no benchmark)")
+    parser.add_argument("--suite", choices=["gpu"],
+                        help="run the benchmark matrix instead (presets x dtypes x shapes x every peer; "
+                             "bert_fast/bench_suite.py); its options: --suite gpu --help")
+    parser.add_argument("--table-from", metavar="JSON", nargs="+",
+                        help="only print these --suite records as markdown tables (no benchmark)")
     args = parser.parse_args(argv)
+    if args.table_from:
+        return args
     if args.plot_from and not args.plot:
         parser.error("--plot-from needs --plot PATH for the PNG")
     if args.plot:
@@ -503,7 +526,21 @@ def parse_args(argv=None):
 
 def main(argv=None):
     start = time.perf_counter()
+    if suite_requested(sys.argv[1:] if argv is None else argv):
+        from . import bench_suite
+
+        bench_suite.main(sys.argv[1:] if argv is None else list(argv),
+                         record_argv=None if argv is None else ["bert_fast.bench.main", *argv])
+        return
     args = parse_args(argv)
+    if args.table_from:
+        from . import bench_suite
+
+        try:
+            print(bench_suite.table_from_files(args.table_from))
+        except ValueError as error:     # not a suite record: say so, no traceback
+            sys.exit(f"python -m bert_fast.bench: error: {error}")
+        return
     if args.plot_from:
         plot_from_json(args.plot_from, args.plot)
         print(f"wrote {args.plot}")

@@ -1,0 +1,160 @@
+"""The benchmark matrix (python -m bert_fast.bench --suite gpu) in its CPU smoke mode: every
+method of every shape is a row (timed, or skipped with a reason), the figures are finite, the
+exact methods match the fp32 reference, and --table-from / --plot-from read the record."""
+
+import datetime
+import math
+
+import pytest
+import torch
+
+from bert_fast import bench, bench_suite
+
+FP32_TOLERANCE = 1e-4       # STYLE.md's floor for fp32
+CPU = torch.device("cpu")
+INFERENCE_PEERS = ["eager", "compile", "compile_max_autotune", "torch_transformer", "hf_sdpa"]
+
+
+def expected_methods(shape):
+    """The row names of a shape on this CPU, in the suite's order."""
+    suffixes = [bench_suite.backend_suffix(b) for b in bench_suite.default_backends(CPU)]
+    if shape == "train":
+        return ["eager", "compile"] + [f"{name}{suffix}" for suffix in suffixes
+                                       for name in ("optimize", "optimize_skip_padding")]
+    names = INFERENCE_PEERS + [f"{name}{suffix}" for suffix in suffixes
+                               for name in ("fast", "fast_skip_padding")]
+    return names + (["fast_compile_reduce_overhead"] if shape == "latency" else [])
+
+
+@pytest.fixture(scope="module")
+def record_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("suite") / "record.json"
+    bench.main(["--suite", "gpu", "--device", "cpu", "--preset", "demo", "--quick",
+                "--dtype", "float32", "--rounds", "1", "--json", str(path)])
+    return path
+
+
+@pytest.fixture(scope="module")
+def record(record_path):
+    return bench.load_json(record_path)
+
+
+def rows_of(record, shape):
+    return [row for row in record["rows"] if row["shape"] == shape]
+
+
+def test_record_describes_the_run(record):
+    assert bench_suite.is_suite_record(record)
+    assert record["environment"]["device"] == "cpu" and record["environment"]["torch"] == torch.__version__
+    assert "--suite" in record["command"] and record["date"]
+    assert record["config"]["flop_formula"] and record["config"]["quick"] is True
+    [peak] = record["matmul_peaks"]
+    assert peak["dtype"] == "float32" and math.isfinite(peak["tflops"]) and peak["tflops"] > 0
+
+
+@pytest.mark.parametrize("shape", list(bench_suite.SHAPES))
+def test_every_method_is_a_row(record, shape):
+    rows = rows_of(record, shape)
+    assert [row["method"] for row in rows] == expected_methods(shape)
+    for row in rows:
+        assert row["skipped"] is None or (isinstance(row["skipped"], str) and row["skipped"]), row
+    skipped = {row["method"]: row["skipped"] for row in rows if row["skipped"] is not None}
+    # --quick leaves compile out; CUDA graphs need CUDA; the exact paths always run on a CPU.
+    assert all("not asked" in skipped[name] for name in skipped if name.startswith("compile"))
+    assert "compile" in skipped
+    if shape == "latency":
+        assert "CUDA only" in skipped["fast_compile_reduce_overhead"]
+    assert "eager" not in skipped
+    assert not any(name.startswith(("fast", "optimize")) for name in skipped
+                   if name != "fast_compile_reduce_overhead"), skipped
+
+
+@pytest.mark.parametrize("shape", list(bench_suite.SHAPES))
+def test_figures_are_finite(record, shape):
+    rows = rows_of(record, shape)
+    timed = [row for row in rows if row["skipped"] is None]
+    peers = {row["method"] for row in timed if not row["ours"]}
+    for row in timed:
+        for key in ("median_ms", "p90_ms", "valid_tokens_per_s", "padded_tokens_per_s",
+                    "model_tflops", "pct_of_matmul_peak", "speedup_vs_eager", "speedup_vs_best_peer"):
+            assert math.isfinite(row[key]) and row[key] > 0, (row["method"], key, row[key])
+        assert row["p90_ms"] >= row["median_ms"]
+        assert row["best_peer"] in peers
+        assert math.isfinite(row["error"])
+        assert row["peak_memory_mib"] is None      # CPU: no allocator statistics
+    eager = next(row for row in timed if row["method"] == "eager")
+    assert eager["speedup_vs_eager"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("shape", list(bench_suite.SHAPES))
+def test_exact_methods_match_the_fp32_reference(record, shape):
+    for row in rows_of(record, shape):
+        if row["skipped"] is None and (row["ours"] or row["method"] == "eager"):
+            assert row["error"] <= FP32_TOLERANCE, (row["method"], row["error"])
+
+
+def test_table_from_prints_every_group(record_path, record, capsys):
+    bench.main(["--table-from", str(record_path)])
+    table = capsys.readouterr().out
+    assert record["environment"]["device_name"] in table
+    assert table.count("| method | median ms |") == len(bench_suite.SHAPES)
+    for shape in bench_suite.SHAPES:
+        assert f"demo · float32 · {shape}**" in table
+    for row in record["rows"]:
+        assert row["method"] in table
+    assert "skipped: CUDA only" in table
+
+
+def test_plot_from_draws_a_suite_record(record_path, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "suite.png"
+    bench.main(["--plot", str(png), "--plot-from", str(record_path)])
+    assert png.stat().st_size > 0
+
+
+def test_a_failing_method_becomes_a_skipped_row():
+    def broken(*inputs):
+        raise RuntimeError("no kernel for this\nsecond line")
+
+    calls = []
+
+    def fails_while_timing(*inputs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise torch.cuda.OutOfMemoryError("out of memory")
+
+    shape = bench_suite.Shape("toy", 2, 4, 1.0)
+    methods = [bench_suite.SuiteMethod("eager", lambda *inputs: torch.zeros(2, 4, 1)),
+               bench_suite.SuiteMethod("broken", broken, ours=True),
+               bench_suite.SuiteMethod("oom", fails_while_timing),
+               bench_suite.unavailable("missing", "not installed")]
+    inputs = (None, None, torch.tensor([4, 4]))
+    workload = bench_suite.Workload(shape, methods, inputs, check=lambda method, output: 0.0,
+                                    prepare_timing=lambda methods: None,
+                                    grad_context=torch.inference_mode, flops=1e6)
+    results = bench_suite.measure(workload, CPU, rounds=2, warmup=1, progress=bench.Progress())
+    rows = bench_suite.make_rows(workload, results, preset="toy", dtype_name="float32",
+                                 matmul_peak_tflops=1.0)
+    skipped = {row["method"]: row["skipped"] for row in rows}
+    assert skipped["eager"] is None
+    assert skipped["broken"] == "RuntimeError: no kernel for this"
+    assert skipped["oom"].startswith("failed while timing: OutOfMemoryError")
+    assert skipped["missing"] == "not installed"
+
+
+def test_default_record_path_never_overwrites(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_suite, "RESULTS_DIR", tmp_path / "results")
+    (tmp_path / "results").mkdir()
+    day = datetime.date(2026, 11, 21)
+    first = bench_suite.default_record_path(CPU, day)
+    assert first.name == f"{bench_suite.device_slug(CPU)}-2026-11-21.json"
+    assert bench_suite.device_slug(CPU).startswith("cpu-")
+    first.write_text("{}")
+    assert bench_suite.default_record_path(CPU, day).name.endswith("-2026-11-21-2.json")
+
+
+def test_default_bench_run_is_unchanged():
+    args = bench.parse_args([])
+    assert (args.preset, args.batch, args.dtype, args.seq) == ("base", 8, "float32", [128])
+    assert args.suite is None and args.table_from is None
+    assert not bench.suite_requested([]) and bench.suite_requested(["--suite", "gpu"])
