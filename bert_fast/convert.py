@@ -15,8 +15,8 @@ from .backend import resolve_backend
 from .modules import FastBERTEncoder, FastEncoderBlock
 
 
-class _Unsupported(Exception):
-    pass
+class _Unsupported(ValueError):
+    """A model variant the fast modules cannot run exactly (optimize() warns and skips it)."""
 
 
 def _require(condition, why):

@@ -26,6 +26,8 @@ import copy
 import torch
 from torch import nn
 
+from .convert import _activation_of
+
 
 def valid_position_mask(valid_lens, tokens):
     """(B, L) bool for (B, L) ``tokens``: True where position j < valid_lens[b], compared in
@@ -39,15 +41,10 @@ def valid_position_mask(valid_lens, tokens):
 
 
 def _ffn_activation(ffn):
-    """The FFN's activation by name: "relu", "gelu" (erf) or "gelu_tanh"."""
+    """The FFN's activation by name: "relu", "gelu" (erf) or "gelu_tanh"; ValueError otherwise."""
     if isinstance(getattr(ffn, "activation", None), str):  # FastPositionWiseFFN
         return ffn.activation
-    module = getattr(ffn, "relu", None)  # the reference keeps it as ffn.relu
-    if isinstance(module, nn.ReLU):
-        return "relu"
-    if isinstance(module, nn.GELU):
-        return "gelu" if module.approximate == "none" else "gelu_tanh"
-    raise ValueError(f"FFN activation {type(module).__name__} is not supported (ReLU, GELU)")
+    return _activation_of(getattr(ffn, "relu", None))  # the reference keeps it as ffn.relu
 
 
 def _encoder_shape(encoder):
