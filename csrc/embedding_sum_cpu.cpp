@@ -57,6 +57,25 @@ void check_id_range(const char* name, const at::Tensor& ids, int64_t n_rows) {
   }
 }
 
+// The three id tensors on the CPU, flattened to int64 and range-checked against their tables
+// (positions undefined in the padded form).
+struct FlatIds {
+  at::Tensor tokens, segments, positions;
+};
+
+FlatIds checked_flat_ids(const at::Tensor& tokens, const at::Tensor& segments,
+                         const std::optional<at::Tensor>& positions, int64_t n_tokens, int64_t n_segments,
+                         int64_t max_len) {
+  check_on_cpu("tokens", tokens);
+  check_on_cpu("segments", segments);
+  if (positions.has_value()) check_on_cpu("positions", *positions);
+  FlatIds ids{flat_ids(tokens), flat_ids(segments), positions.has_value() ? flat_ids(*positions) : at::Tensor()};
+  check_id_range("tokens", ids.tokens, n_tokens);
+  check_id_range("segments", ids.segments, n_segments);
+  if (ids.positions.defined()) check_id_range("positions", ids.positions, max_len);
+  return ids;
+}
+
 // A table with unit stride along H, read through its row stride (a copy only if it has none).
 at::Tensor unit_column_stride(const at::Tensor& table) {
   return table.stride(-1) == 1 ? table : table.contiguous();
@@ -93,16 +112,9 @@ at::Tensor embedding_sum_fwd_cpu(const at::Tensor& tokens, const at::Tensor& seg
   check_on_cpu("token_weight", token_weight);
   check_on_cpu("segment_weight", segment_weight);
   check_on_cpu("pos_weight", pos_weight);
-  check_on_cpu("tokens", tokens);
-  check_on_cpu("segments", segments);
-  if (positions.has_value()) check_on_cpu("positions", *positions);
-
-  const at::Tensor token_ids = flat_ids(tokens);
-  const at::Tensor segment_ids = flat_ids(segments);
-  const at::Tensor position_ids = positions.has_value() ? flat_ids(*positions) : at::Tensor();
-  check_id_range("tokens", token_ids, token_weight.size(0));
-  check_id_range("segments", segment_ids, segment_weight.size(0));
-  if (position_ids.defined()) check_id_range("positions", position_ids, max_len);
+  // Named references, not structured bindings: the kernels' lambdas capture them.
+  const FlatIds ids = checked_flat_ids(tokens, segments, positions, token_weight.size(0), segment_weight.size(0), max_len);
+  const at::Tensor &token_ids = ids.tokens, &segment_ids = ids.segments, &position_ids = ids.positions;
 
   const at::Tensor token_table = unit_column_stride(token_weight);
   const at::Tensor segment_table = unit_column_stride(segment_weight);
@@ -151,16 +163,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> embedding_sum_bwd_cpu(
                    "the C++ embedding_sum takes float32, float64, float16 or bfloat16 gradients, got ",
                    grad_out.scalar_type());
   check_on_cpu("grad_out", grad_out);
-  check_on_cpu("tokens", tokens);
-  check_on_cpu("segments", segments);
-  if (positions.has_value()) check_on_cpu("positions", *positions);
-
-  const at::Tensor token_ids = flat_ids(tokens);
-  const at::Tensor segment_ids = flat_ids(segments);
-  const at::Tensor position_ids = positions.has_value() ? flat_ids(*positions) : at::Tensor();
-  check_id_range("tokens", token_ids, n_tokens);
-  check_id_range("segments", segment_ids, n_segments);
-  if (position_ids.defined()) check_id_range("positions", position_ids, max_len);
+  // Named references, not structured bindings: the kernels' lambdas capture them.
+  const FlatIds ids = checked_flat_ids(tokens, segments, positions, n_tokens, n_segments, max_len);
+  const at::Tensor &token_ids = ids.tokens, &segment_ids = ids.segments, &position_ids = ids.positions;
 
   const at::ScalarType dtype = grad_out.scalar_type();
   const at::ScalarType acc_dtype = dtype == at::kDouble ? at::kDouble : at::kFloat;
