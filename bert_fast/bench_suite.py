@@ -186,6 +186,21 @@ def backend_suffix(backend):
     return "" if backend == "auto" else f"[{backend}]"
 
 
+INFERENCE_BASELINES = ("eager", "compile", "compile_max_autotune", "torch_transformer", "hf_sdpa")
+LATENCY_ONLY = ("fast_compile_reduce_overhead",)
+
+
+def method_names(shape, backends):
+    """A shape's row names, in the order its workload lists them when every backend can run."""
+    suffixes = [backend_suffix(backend) for backend in backends]
+    if shape.training:
+        return ["eager", "compile", *(name + suffix for suffix in suffixes
+                                      for name in ("optimize", "optimize_skip_padding"))]
+    names = [*INFERENCE_BASELINES, *(name + suffix for suffix in suffixes
+                                     for name in ("fast", "fast_skip_padding"))]
+    return names + list(LATENCY_ONLY if shape.name == "latency" else ())
+
+
 # --------------------------------------------------------------------------- inference methods
 
 def compile_methods(module, options, ours=False, prefix="compile"):
@@ -628,13 +643,13 @@ def _markdown_cells(row):
             f"{row['pct_of_matmul_peak']:.1f}", error, _optional(row["peak_memory_mib"], "{:,.0f}")]
 
 
-def _markdown_table(rows):
+def markdown_table(rows):
     lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
     lines += ["| " + " | ".join(_markdown_cells(row)) + " |" for row in rows]
     return "\n".join(lines)
 
 
-def _group_heading(rows):
+def group_heading(rows):
     first = rows[0]
     what = ("training step (fwd + bwd + AdamW)" if first["training"] else "inference") + \
         f", B{first['batch']} L{first['seq']}"
@@ -674,9 +689,9 @@ def format_markdown(records):
                              f"{RECORD_KIND!r})")
         parts.append(_caption(record))
         rows = record["rows"]
-        for key in dict.fromkeys(_group_key(row) for row in rows):
-            group = [row for row in rows if _group_key(row) == key]
-            parts += [_group_heading(group), _markdown_table(group)]
+        for key in dict.fromkeys(group_key(row) for row in rows):
+            group = [row for row in rows if group_key(row) == key]
+            parts += [group_heading(group), markdown_table(group)]
         parts.append(_footnotes(record))
     return "\n\n".join(parts)
 
@@ -685,7 +700,7 @@ def table_from_files(paths):
     return format_markdown([load_json(path) for path in paths])
 
 
-def _group_key(row):
+def group_key(row):
     return row["preset"], row["dtype"], row["shape"]
 
 
@@ -852,7 +867,7 @@ def main(argv, record_argv=None):
         # Rewritten after every group: a run stopped by a time limit keeps what it measured.
         write_json(make_suite_record(rows, peaks, options, shapes, device, command), path)
         progress.close()
-        print(_group_heading(group) + "\n\n" + _markdown_table(group) + "\n", flush=True)
+        print(group_heading(group) + "\n\n" + markdown_table(group) + "\n", flush=True)
 
     rows, peaks = run_suite(options, shapes, progress, on_group)
     progress.close()

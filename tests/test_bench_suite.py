@@ -4,6 +4,9 @@ exact methods match the fp32 reference, and --table-from / --plot-from read the 
 
 import datetime
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +27,14 @@ def expected_methods(shape):
     names = INFERENCE_PEERS + [f"{name}{suffix}" for suffix in suffixes
                                for name in ("fast", "fast_skip_padding")]
     return names + (["fast_compile_reduce_overhead"] if shape == "latency" else [])
+
+
+def test_method_names_are_the_rows_of_each_shape():
+    # expected_methods is this file's own statement of the matrix; the pytest matrix
+    # (benchmarks/test_gpu_matrix.py) is parametrized from bench_suite.method_names.
+    backends = bench_suite.default_backends(CPU)
+    for name, shape in bench_suite.SHAPES.items():
+        assert bench_suite.method_names(shape, backends) == expected_methods(name)
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +169,29 @@ def test_default_bench_run_is_unchanged():
     assert (args.preset, args.batch, args.dtype, args.seq) == ("base", 8, "float32", [128])
     assert args.suite is None and args.table_from is None
     assert not bench.suite_requested([]) and bench.suite_requested(["--suite", "gpu"])
+
+
+def test_pytest_matrix_smoke_run(tmp_path):
+    """benchmarks/test_gpu_matrix.py on the CPU (demo preset, quick shapes, no compile): every
+    test passes or skips, and its record has the suite's rows with timings and speedups."""
+    root = Path(__file__).resolve().parent.parent
+    path = tmp_path / "matrix.json"
+    command = [sys.executable, "-m", "pytest", "benchmarks/test_gpu_matrix.py", "-q", "-p", "no:cacheprovider",
+               "--matrix-device", "cpu", "--matrix-preset", "demo", "--matrix-dtype", "float32",
+               "--matrix-quick", "--matrix-shapes", "mixed", "train", "--matrix-record", str(path),
+               "-k", "not compile"]
+    result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "bert_fast GPU matrix" in result.stdout and "demo-float32-mixed" in result.stdout
+    record = bench.load_json(path)
+    assert bench_suite.is_suite_record(record) and "pytest" in record["command"]
+    for shape in ("mixed", "train"):
+        rows = rows_of(record, shape)
+        assert [row["method"] for row in rows] == [
+            name for name in expected_methods(shape) if "compile" not in name]
+        for row in rows:
+            assert row["skipped"] is None, row
+            assert row["median_ms"] > 0 and row["speedup_vs_eager"] > 0 and math.isfinite(row["error"])
+            assert row["best_peer"] is not None
+            if row["ours"]:
+                assert row["error"] <= FP32_TOLERANCE, row
