@@ -350,6 +350,48 @@ def format_table(rows):
     return "\n".join(out)
 
 
+def format_markdown(record):
+    """A record of the main job (``--json``) as markdown: a caption naming the machine, the
+    run and the command, then a table of its rows (the README's performance table)."""
+    env, config = record["environment"], record["config"]
+    model = config["encoder"]
+    caption = (
+        f"Measured on **{env['device_name']}** ({env['device']}, {env['torch_num_threads']} threads), "
+        f"{record['date']}: torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}. "
+        f"Preset {config['preset']} (H {model['num_hiddens']}, {model['num_layers']} layers, "
+        f"{model['num_heads']} heads, FFN {model['ffn_num_hiddens']}), batch {config['batch']}, "
+        f"lengths uniform in [ceil({config['min_len_frac']} L), L], {config['dtype']}, {config['mode']}; "
+        f"{config['repeats']} interleaved rounds.\nCommand: `{' '.join(record['command'])}`")
+    lines = ["| method | L | median ms | p90 ms | valid tok/s | vs eager | max abs err vs fp32 eager |",
+             "|---|---|---|---|---|---|---|"]
+    for row in record["rows"]:
+        if row["skipped"] is not None:
+            lines.append(f"| {row['method']} | {row['seq']} | skipped: {row['skipped']} | | | | |")
+            continue
+        speedup = row["speedup_vs_eager"]
+        error = f"{row['max_abs_err']:.1e}" + (" (valid positions)" if row["error_positions"] == "valid" else "")
+        lines.append(f"| {row['method']} | {row['seq']} | {row['median_ms']:.1f} | {row['p90_ms']:.1f} | "
+                     f"{row['valid_tokens_per_s']:,.0f} | "
+                     f"{'–' if speedup is None else f'{speedup:.2f}×'} | {error} |")
+    valid = {row["seq"]: row for row in record["rows"]}
+    footnote = "Valid tokens: " + ", ".join(
+        f"L {seq}: {row['valid_tokens']} of {row['padded_tokens']}" for seq, row in sorted(valid.items()))
+    return "\n\n".join([caption, "\n".join(lines), footnote])
+
+
+README_BEGIN = "<!-- begin generated table: python -m bert_fast.bench --table-from RECORD ... --readme README.md -->"
+README_END = "<!-- end generated table -->"
+
+
+def replace_generated_table(text, markdown):
+    """``text`` with what lies between README_BEGIN and README_END replaced by ``markdown``."""
+    begin, end = text.find(README_BEGIN), text.find(README_END)
+    if begin < 0 or end < begin:
+        raise ValueError(f"no place for the table: the file needs the lines {README_BEGIN} and "
+                         f"{README_END}, in that order")
+    return f"{text[:begin + len(README_BEGIN)]}\n\n{markdown}\n\n{text[end:]}"
+
+
 def _cpu_name():
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
@@ -497,8 +539,14 @@ def parse_args(argv=None):
                         help="run the benchmark matrix instead (presets x dtypes x shapes x every peer; "
                              "bert_fast/bench_suite.py); its options: --suite gpu --help")
     parser.add_argument("--table-from", metavar="JSON", nargs="+",
-                        help="only print these --suite records as markdown tables (no benchmark)")
+                        help="only print these records (--json or --suite) as markdown tables (no "
+                             "benchmark)")
+    parser.add_argument("--readme", metavar="PATH",
+                        help="with --table-from: write the tables into this file between its "
+                             "generated-table markers instead of printing them")
     args = parser.parse_args(argv)
+    if args.readme and not args.table_from:
+        parser.error("--readme needs --table-from RECORD ...")
     if args.table_from:
         return args
     if args.plot_from and not args.plot:
@@ -537,8 +585,15 @@ def main(argv=None):
         from . import bench_suite
 
         try:
-            print(bench_suite.table_from_files(args.table_from))
-        except ValueError as error:     # not a suite record: say so, no traceback
+            markdown = bench_suite.table_from_files(args.table_from)
+            if args.readme:
+                readme = Path(args.readme)
+                readme.write_text(replace_generated_table(readme.read_text(encoding="utf-8"), markdown),
+                                  encoding="utf-8")
+                print(f"wrote the tables of {', '.join(args.table_from)} into {args.readme}")
+            else:
+                print(markdown)
+        except ValueError as error:     # not a record, or no markers: say so, no traceback
             sys.exit(f"python -m bert_fast.bench: error: {error}")
         return
     if args.plot_from:

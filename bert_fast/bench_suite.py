@@ -60,6 +60,7 @@ import torch
 from .backend import BACKENDS, backend_for, resolve_backend
 from .bench import (BASELINE, DTYPES, PRESETS, Method, Progress, build_models, default_device,
                     encoder_config, environment_info, first_call, load_json, make_inputs,
+                    format_markdown as bench_format_markdown,
                     max_error, synchronize, time_interleaved, write_json, _figure_class)
 from .convert import optimize
 from .modules import FastBERTEncoder
@@ -680,13 +681,16 @@ def _footnotes(record):
 
 
 def format_markdown(records):
-    """Markdown of suite records: a caption naming the machine, then a table per group."""
+    """Markdown of records: per suite record a caption naming the machine, then a table per
+    group; a main-job record (``python -m bert_fast.bench --json``) as bench.format_markdown."""
     parts = []
     for record in records:
         if not is_suite_record(record):
-            raise ValueError("--table-from reads records of `python -m bert_fast.bench --suite gpu`; "
-                             "this file is not one (it has no kind "
-                             f"{RECORD_KIND!r})")
+            if "encoder" not in record.get("config", {}):
+                raise ValueError("--table-from reads records of `python -m bert_fast.bench --json` "
+                                 "or `--suite gpu`; this file is neither")
+            parts.append(bench_format_markdown(record))
+            continue
         parts.append(_caption(record))
         rows = record["rows"]
         for key in dict.fromkeys(group_key(row) for row in rows):

@@ -195,3 +195,41 @@ def test_pytest_matrix_smoke_run(tmp_path):
             assert row["best_peer"] is not None
             if row["ours"]:
                 assert row["error"] <= FP32_TOLERANCE, row
+
+
+MAIN_JOB_RECORD = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "cpu-2core-2026-11-21.json"
+
+
+def test_table_from_prints_a_main_job_record(capsys):
+    bench.main(["--table-from", str(MAIN_JOB_RECORD)])
+    table = capsys.readouterr().out
+    record = bench.load_json(MAIN_JOB_RECORD)
+    assert record["environment"]["device_name"] in table and " ".join(record["command"]) in table
+    for row in record["rows"]:
+        assert f"| {row['method']} | {row['seq']} | {row['median_ms']:.1f} |" in table
+
+
+def test_readme_gets_the_tables_between_its_markers(tmp_path, record_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n\nbefore\n{bench.README_BEGIN}\nold table\n{bench.README_END}\nafter\n")
+    for _ in range(2):      # rewriting is idempotent
+        bench.main(["--table-from", str(MAIN_JOB_RECORD), str(record_path), "--readme", str(readme)])
+        text = readme.read_text()
+        assert text == bench.replace_generated_table(
+            f"# title\n\nbefore\n{bench.README_BEGIN}\n{bench.README_END}\nafter\n",
+            bench_suite.table_from_files([MAIN_JOB_RECORD, record_path]))
+    assert "old table" not in text and "| eager | 128 |" in text and "demo · float32 · train" in text
+
+
+def test_table_from_says_what_is_wrong(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("no markers here\n")
+    with pytest.raises(SystemExit, match="needs the lines"):
+        bench.main(["--table-from", str(MAIN_JOB_RECORD), "--readme", str(readme)])
+    assert readme.read_text() == "no markers here\n"
+    other = tmp_path / "other.json"
+    other.write_text('{"rows": []}')
+    with pytest.raises(SystemExit, match="neither"):
+        bench.main(["--table-from", str(other)])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--readme", str(readme)])      # --readme needs --table-from
