@@ -272,3 +272,70 @@ def test_triton_backend_gelu_and_learned_positions():
     fast_triton.load_state_dict(fast_torch.state_dict())
     tokens, segments = random_inputs(B, L, 50)
     compare_forward_backward(fast_torch, fast_triton, tokens, segments, torch.tensor([4, 13, 0]))
+
+
+def _qkv_weight_is_a_view(attention):
+    with torch.no_grad():
+        weight, bias = attention._packed_qkv()
+    return (weight.data_ptr() == attention.W_q.weight.data_ptr()
+            and bias.data_ptr() == attention.W_q.bias.data_ptr())
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_pack_qkv_reads_the_projection_in_place_with_the_same_results(backend):
+    ref, fast = encoder_pair(encoder_config(), backend=backend)
+    tokens, segments = random_inputs(B, L, 50)
+    valid_lens = torch.tensor([4, 13, 0])
+    with torch.no_grad():
+        before = fast(tokens, segments, valid_lens)
+    state = {name: t.clone() for name, t in fast.state_dict().items()}
+    params = list(fast.parameters())
+    attention = fast.blks[0].attention
+    assert not _qkv_weight_is_a_view(attention)       # separate Parameters: concatenated per call
+    assert fast.pack_qkv_() is fast
+    assert _qkv_weight_is_a_view(attention)
+    assert list(fast.parameters()) == params           # the same Parameter objects
+    assert all(torch.equal(t, state[name]) for name, t in fast.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(fast(tokens, segments, valid_lens), before)
+    # With autograd the projection is concatenated, so every gradient still matches.
+    compare_forward_backward(ref, fast, tokens, segments, valid_lens)
+
+
+def test_pack_qkv_sees_loaded_and_updated_weights_and_survives_a_cast():
+    ref, fast = encoder_pair(encoder_config())
+    fast.pack_qkv_()
+    tokens, segments = random_inputs(B, L, 50)
+    valid_lens = torch.tensor([13, 5, 9])
+    ref.blks[1].attention.W_k.weight.data.mul_(0.5)
+    fast.load_state_dict(ref.state_dict())             # copies in place: still packed
+    assert _qkv_weight_is_a_view(fast.blks[1].attention)
+    with torch.no_grad():
+        assert_close(fast(tokens, segments, valid_lens), ref(tokens, segments, valid_lens), atol=1e-5)
+        fast.blks[1].attention.W_v.bias.add_(1.0)      # an in-place update (an optimizer step)
+        ref.blks[1].attention.W_v.bias.add_(1.0)
+        assert_close(fast(tokens, segments, valid_lens), ref(tokens, segments, valid_lens), atol=1e-5)
+        ref64, fast64 = ref.double(), fast.double()    # a cast moves each Parameter on its own
+        assert not _qkv_weight_is_a_view(fast64.blks[0].attention)
+        assert_close(fast64(tokens, segments, valid_lens), ref64(tokens, segments, valid_lens), atol=1e-10)
+        fast64.pack_qkv_()
+        assert _qkv_weight_is_a_view(fast64.blks[0].attention)
+        assert_close(fast64(tokens, segments, valid_lens), ref64(tokens, segments, valid_lens), atol=1e-10)
+
+
+def test_pack_qkv_after_optimize_keeps_the_shared_modules_working():
+    import bert_fast
+
+    torch.manual_seed(0)
+    model = R.BERTEncoder(**encoder_config()).eval()
+    tokens, segments = random_inputs(B, L, 50)
+    valid_lens = torch.tensor([3, 13, 7])
+    original_W_k = model.blks[0].attention.W_k           # optimize() adopts this very module
+    x = torch.randn(5, original_W_k.in_features)
+    with torch.no_grad():
+        expected, expected_projection = model(tokens, segments, valid_lens), original_W_k(x)
+    fast = bert_fast.optimize(model).pack_qkv_()
+    assert fast.blks[0].attention.W_k is original_W_k and _qkv_weight_is_a_view(fast.blks[0].attention)
+    with torch.no_grad():
+        assert_close(fast(tokens, segments, valid_lens), expected, atol=1e-5)
+        assert torch.equal(original_W_k(x), expected_projection)
