@@ -2,6 +2,7 @@
 
 from . import ops, reference
 from .convert import optimize
+from .cuda_graph import GraphedEncoder, capture_encoder
 from .extension import build_extension
 from .modules import (FastAddNorm, FastBERTEncoder, FastBERTModel, FastEncoderBlock,
                       FastMultiHeadAttention, FastPositionWiseFFN)
@@ -9,4 +10,5 @@ from .modules import (FastAddNorm, FastBERTEncoder, FastBERTModel, FastEncoderBl
 __version__ = "0.1.0"
 
 __all__ = ["FastBERTEncoder", "FastBERTModel", "FastEncoderBlock", "FastMultiHeadAttention",
-           "FastAddNorm", "FastPositionWiseFFN", "optimize", "build_extension", "ops", "reference"]
+           "FastAddNorm", "FastPositionWiseFFN", "optimize", "capture_encoder", "GraphedEncoder",
+           "build_extension", "ops", "reference"]
