@@ -26,7 +26,7 @@ def expected_methods(shape):
                                        for name in ("optimize", "optimize_skip_padding")]
     names = INFERENCE_PEERS + [f"{name}{suffix}" for suffix in suffixes
                                for name in ("fast", "fast_skip_padding")]
-    return names + (["fast_compile_reduce_overhead"] if shape == "latency" else [])
+    return names + (["fast_compile_reduce_overhead", "fast_cuda_graph"] if shape == "latency" else [])
 
 
 def test_method_names_are_the_rows_of_each_shape():
@@ -73,11 +73,11 @@ def test_every_method_is_a_row(record, shape):
     # --quick leaves compile out; CUDA graphs need CUDA; the exact paths always run on a CPU.
     assert all("not asked" in skipped[name] for name in skipped if name.startswith("compile"))
     assert "compile" in skipped
-    if shape == "latency":
-        assert "CUDA only" in skipped["fast_compile_reduce_overhead"]
+    cuda_only = ["fast_compile_reduce_overhead", "fast_cuda_graph"] if shape == "latency" else []
+    for name in cuda_only:
+        assert "CUDA only" in skipped[name]
     assert "eager" not in skipped
-    assert not any(name.startswith(("fast", "optimize")) for name in skipped
-                   if name != "fast_compile_reduce_overhead"), skipped
+    assert not any(name.startswith(("fast", "optimize")) for name in skipped if name not in cuda_only), skipped
 
 
 @pytest.mark.parametrize("shape", list(bench_suite.SHAPES))
