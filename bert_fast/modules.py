@@ -42,25 +42,25 @@ class FastMultiHeadAttention(nn.Module):
         self.W_v = nn.Linear(value_size, num_hiddens, bias=bias)
         self.W_o = nn.Linear(num_hiddens, num_hiddens, bias=bias)
 
-    def _projections(self):
-        return self.W_q, self.W_k, self.W_v
-
     def _packed_qkv(self):
         """(3H, in) weight and (3H,) bias of the packed projection.
 
         Concatenated per call (gradients reach W_q/W_k/W_v through the concatenation), except
-        without autograd after ``pack_qkv_()``: then the three lie back to back in memory and
-        the packed weight is a view of them, so no copy at all. Never cached: a cache keyed on
-        tensor identity and version counters goes stale under wrappers that swap parameter
-        storage (FSDP); a view of the live memory cannot.
+        when autograd does not record them (no_grad, inference mode, frozen weights) after
+        ``pack_qkv_()``: then the three lie back to back in memory and the packed weight is a
+        view of them, so no copy at all. Never cached: a cache keyed on tensor identity and
+        version counters goes stale under wrappers that swap parameter storage (FSDP); a view
+        of the live memory cannot.
         """
+        projections = (self.W_q, self.W_k, self.W_v)
         packed = []
-        for tensors in ([p.weight for p in self._projections()], [p.bias for p in self._projections()]):
+        for tensors in ([p.weight for p in projections], [p.bias for p in projections]):
             if tensors[0] is None:
                 packed.append(None)
                 continue
             view = None
-            if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            recorded = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+            if not recorded and not torch.compiler.is_compiling():
                 view = _back_to_back_view(tensors)
             packed.append(torch.cat(tensors) if view is None else view)
         return tuple(packed)
@@ -80,7 +80,7 @@ class FastMultiHeadAttention(nn.Module):
         Returns self.
         """
         for name in ("weight", "bias"):
-            params = [getattr(p, name) for p in self._projections()]
+            params = [getattr(p, name) for p in (self.W_q, self.W_k, self.W_v)]
             if params[0] is None or params[0].is_meta or _back_to_back_view(params) is not None:
                 continue
             if len({(p.dtype, p.device, p.shape[1:]) for p in params}) != 1:

@@ -300,6 +300,14 @@ def test_pack_qkv_reads_the_projection_in_place_with_the_same_results(backend):
         assert torch.equal(fast(tokens, segments, valid_lens), before)
     # With autograd the projection is concatenated, so every gradient still matches.
     compare_forward_backward(ref, fast, tokens, segments, valid_lens)
+    # Frozen weights: autograd records nothing through them, so the view serves, and the
+    # gradient still reaches an input that asks for one.
+    fast.requires_grad_(False)
+    weight, _ = attention._packed_qkv()
+    assert weight.data_ptr() == attention.W_q.weight.data_ptr()
+    x = torch.randn(5, attention.W_q.in_features, requires_grad=True)
+    torch.nn.functional.linear(x, weight).sum().backward()
+    assert_close(x.grad, weight.sum(0).expand(5, -1), atol=1e-5, what="input gradient")
 
 
 def test_pack_qkv_sees_loaded_and_updated_weights_and_survives_a_cast():
