@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The checks only a GPU can make (issues 4 and 5), in steps that each fit in one command of the
+# device tool (10 minutes; a session has 30 minutes of device time in all). From the repository
+# root on the GPU machine, e.g. with the device tool:
+#
+#   bash scripts/gpu_session.sh install tests          # call 1: build with CUDA, every test (~10 min)
+#   bash scripts/gpu_session.sh sanitize kernels       # call 2: compute-sanitizer, per-kernel numbers
+#   bash scripts/gpu_session.sh suite-base             # call 3: the matrix, BERT-base bf16 ...
+#   bash scripts/gpu_session.sh suite-base-fp16 suite-large suite-train
+#
+# Logs and records go to $OUT (the device tool brings that folder back), else benchmarks/results.
+# A step that fails is reported and the next one runs; the exit status is the number of failures.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+results=${OUT:-benchmarks/results}
+mkdir -p "$results"
+host=$(python -c "import torch, re; print(re.sub(r'[^a-z0-9]+', '-', torch.cuda.get_device_name().lower()).strip('-'))" 2>/dev/null || echo gpu)
+stamp="$host-$(date +%F)"
+export PYTHONUNBUFFERED=1
+failures=0
+
+run() {     # run NAME COMMAND...: the command's output to the terminal and to $results/NAME.log
+    echo "== $1: ${*:2}"
+    local start=$SECONDS
+    "${@:2}" 2>&1 | tee "$results/$stamp-$1.log"
+    local status=${PIPESTATUS[0]}
+    echo "== $1: exit $status after $((SECONDS - start)) s"
+    [ "$status" -eq 0 ] || failures=$((failures + 1))
+}
+
+suite() {   # suite NAME ARGS...: one part of the matrix, its own record
+    run "$1" python -m bert_fast.bench --suite gpu --json "$results/$stamp-$1.json" "${@:2}"
+}
+
+for step in "$@"; do
+    case $step in
+    install)
+        # --no-deps: the device machine has no registry access (torch, triton, ninja are there).
+        run install env MAX_JOBS=$(nproc) pip install --no-build-isolation --no-deps -e .
+        run info python -m bert_fast.info ;;
+    tests)
+        # Every test, the GPU-only ones included; the slowest listed to plan the next session.
+        run tests python -m pytest -q -p no:cacheprovider --durations=20 tests ;;
+    sanitize)
+        # Memory errors and shared-memory races: the CUDA extension on shapes that cover each
+        # kernel variant (warp and block per row, vector and scalar paths, dropout), and the
+        # Triton kernels' own tests (padded and varlen attention, dropout, every op).
+        for tool in memcheck racecheck; do
+            run "sanitize-ext-$tool" compute-sanitizer --tool "$tool" --error-exitcode 99 \
+                python -m pytest -q -x -p no:cacheprovider tests/test_ext_cuda.py \
+                -k "768 or 4096 or misaligned or dropout or empty"
+            run "sanitize-triton-$tool" compute-sanitizer --tool "$tool" --error-exitcode 99 \
+                python -m pytest -q -x -p no:cacheprovider tests/test_attention_triton.py \
+                tests/test_add_layernorm_triton.py tests/test_embedding_triton.py tests/test_bias_act_triton.py
+        done ;;
+    kernels)
+        run kernels python -m bert_fast.kernel_bench --json "$results/$stamp-kernels.json" ;;
+    suite-base) suite suite-base --preset base --dtype bfloat16 --shapes dense long mixed latency ;;
+    suite-base-fp16) suite suite-base-fp16 --preset base --dtype float16 --shapes dense long mixed latency ;;
+    suite-large) suite suite-large --preset large --dtype bfloat16 --shapes dense long mixed latency --no-autotune ;;
+    suite-train) suite suite-train --preset base large --dtype bfloat16 --shapes train ;;
+    matrix)
+        # The same matrix under pytest-benchmark (BERT-base bf16, no max-autotune).
+        run matrix python -m pytest -q -p no:cacheprovider benchmarks/test_gpu_matrix.py \
+            --matrix-preset base --matrix-dtype bfloat16 -k "not max_autotune" \
+            --matrix-record "$results/$stamp-matrix.json" --benchmark-json "$results/$stamp-matrix-benchmark.json" ;;
+    *)
+        echo "unknown step '$step' (install tests sanitize kernels suite-base suite-base-fp16 suite-large" \
+             "suite-train matrix)" >&2
+        failures=$((failures + 1)) ;;
+    esac
+done
+echo "== $failures step(s) failed; logs and records in $results"
+exit "$failures"
