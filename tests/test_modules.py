@@ -347,3 +347,35 @@ def test_pack_qkv_after_optimize_keeps_the_shared_modules_working():
     with torch.no_grad():
         assert_close(fast(tokens, segments, valid_lens), expected, atol=1e-5)
         assert torch.equal(original_W_k(x), expected_projection)
+
+
+def _usable_backends():
+    from bert_fast.backend import BACKENDS, resolve_backend
+    usable = []
+    for backend in BACKENDS:
+        try:
+            resolve_backend(backend)
+        except ValueError:
+            continue
+        usable.append(backend)
+    return usable
+
+
+@pytest.mark.parametrize("skip_padding", [False, True], ids=["exact", "skip_padding"])
+@pytest.mark.parametrize("backend", _usable_backends())
+def test_output_can_be_edited_in_place_as_the_reference_allows(backend, skip_padding):
+    """Autograd forbids in-place edits of an op's output that is a view; the reference's output
+    is none, so ours must not be either (a user's ``out.mul_()`` or ``out[mask] = 0``)."""
+    ref, fast = encoder_pair(encoder_config(), backend=backend, skip_padding=skip_padding)
+    tokens, segments = random_inputs(B, L, 50)
+    valid_lens = torch.tensor([4, 13, 9])
+    # Valid positions only: skip_padding's padded rows are zeros by design.
+    valid = (torch.arange(L)[None, :] < valid_lens[:, None])[..., None]
+    for model in (ref, fast):
+        out = model(tokens, segments, valid_lens)
+        out.mul_(2.0)
+        (out * valid).sum().backward()
+    grads = dict(ref.named_parameters())
+    for name, param in fast.named_parameters():
+        if grads[name].grad is not None:
+            assert_close(param.grad, grads[name].grad, atol=1e-4, rtol=1e-4, what=f"grad {name}")

@@ -5,6 +5,7 @@ import torch
 
 from bert_fast import ops
 from bert_fast import reference as R
+from bert_fast.ops._triton import HAS_TRITON
 from tests.helpers import assert_close
 
 
@@ -91,3 +92,30 @@ def test_unpadded_self_attention_matches_padded(per_sequence, valid_lens):
         grad = torch.autograd.grad((out * w).sum(), qkv)[0]
         grad_ref = torch.autograd.grad((ops.unpad(expected, unpadding) * w).sum(), qkv)[0]
         assert_close(grad, grad_ref, atol=1e-12, what="dqkv")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_triton_forward_outputs_are_not_views():
+    """Autograd forbids in-place edits of a custom op's output that is a view of another
+    tensor, so the launchers allocate their outputs in the final shape (run in the
+    interpreter on CPU tensors, on the GPU where there is one)."""
+    from bert_fast.ops.add_layernorm import _add_layernorm_fwd_triton
+    from bert_fast.ops.bias_act import _bias_act_fwd_triton
+    from bert_fast.ops.embedding import _embedding_sum_fwd_triton
+    from tests.helpers import DEVICE, needs_kernels
+
+    if needs_kernels.args[0]:
+        pytest.skip(needs_kernels.kwargs["reason"])
+    x, residual = (torch.randn(2, 5, 32, device=DEVICE) for _ in range(2))
+    weight, bias = torch.ones(32, device=DEVICE), torch.zeros(32, device=DEVICE)
+    tokens = torch.randint(0, 10, (2, 5), device=DEVICE)
+    outputs = {
+        "add_layernorm": _add_layernorm_fwd_triton(x, residual, weight, bias, 1e-5, None, 0.0)[0],
+        "bias_act": _bias_act_fwd_triton(x, bias, "relu"),
+        "embedding_sum": _embedding_sum_fwd_triton(tokens, tokens % 2, torch.randn(10, 32, device=DEVICE),
+                                                   torch.randn(2, 32, device=DEVICE),
+                                                   torch.randn(1, 8, 32, device=DEVICE), None),
+    }
+    for name, out in outputs.items():
+        assert out.shape == (2, 5, 32) and out.is_contiguous(), name
+        assert not out._is_view(), f"{name}: the output is a view"

@@ -199,7 +199,9 @@ def _add_layernorm_fwd_triton(x, residual, weight, bias, eps, seed, dropout_p):
     hidden = x.shape[-1]
     x2, residual2 = as_rows(x, hidden), as_rows(residual, hidden)
     n_rows = x2.shape[0]
-    out = torch.empty((n_rows, hidden), dtype=x.dtype, device=x.device)
+    # Allocated in x's shape (contiguous: the kernel writes rows of `hidden`), not as a view of
+    # a 2-D buffer: autograd forbids in-place edits of an op's output that is a view.
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows:
@@ -210,7 +212,7 @@ def _add_layernorm_fwd_triton(x, residual, weight, bias, eps, seed, dropout_p):
             dropout_p, _keep_scale(dropout_p), seed,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0,
             BLOCK_H=block_h, ROWS_PER_PROGRAM=rows_per_program, num_warps=num_warps)
-    return out.view(x.shape), mean, rstd
+    return out, mean, rstd
 
 
 def _check_bwd_inputs(grad_out, x, residual, weight, mean, rstd, seed, dropout_p):
@@ -288,7 +290,9 @@ def _add_layernorm_fwd_cpu(x, residual, weight, bias, eps, seed, dropout_p):
         out = out * weight.to(acc)
     if bias is not None:
         out = out + bias.to(acc)
-    return out.to(x_dtype).view(shape), mean, rstd
+    result = torch.empty(shape, dtype=x_dtype, device=out.device)   # not a view (see the Triton launcher)
+    result.view(-1, hidden).copy_(out)
+    return result, mean, rstd
 
 
 def _add_layernorm_bwd_cpu(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias):

@@ -166,7 +166,9 @@ def _bias_act_fwd_triton(h, bias, activation):
     n_cols = h.shape[-1]
     h2 = as_rows(h, n_cols)
     n_rows = h2.shape[0]
-    out = torch.empty((n_rows, n_cols), dtype=h.dtype, device=h.device)
+    # h's shape, contiguous (the kernel writes rows of n_cols): an output that is a view of a
+    # 2-D buffer could not be edited in place under autograd.
+    out = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     if n_rows:
         block_m, block_n, num_warps = _bias_act_blocks(n_cols)
         grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
@@ -174,7 +176,7 @@ def _bias_act_fwd_triton(h, bias, activation):
             h2, bias, out, n_rows, n_cols, h2.stride(0),
             ACTIVATION=activation, HAS_BIAS=bias is not None,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
-    return out.view(h.shape)
+    return out
 
 
 def _bias_act_bwd_triton(grad_out, saved, bias, activation):

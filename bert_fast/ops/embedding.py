@@ -305,7 +305,9 @@ def _embedding_sum_fwd_triton(tokens, segments, token_weight, segment_weight, po
     require_triton(tokens, segments, token_weight, segment_weight, pos_weight, positions)
     hidden = token_weight.shape[1]
     n_rows = tokens.numel()
-    out = torch.empty((n_rows, hidden), dtype=token_weight.dtype, device=token_weight.device)
+    # tokens.shape + (H,), contiguous (the kernel writes rows of H): an output that is a view of
+    # a 2-D buffer could not be edited in place under autograd.
+    out = torch.empty((*tokens.shape, hidden), dtype=token_weight.dtype, device=token_weight.device)
     if n_rows:
         block_t, block_h, num_warps = _fwd_blocks(hidden)
         launch(_embedding_sum_fwd_kernel)[(triton.cdiv(n_rows, block_t),)](
@@ -316,7 +318,7 @@ def _embedding_sum_fwd_triton(tokens, segments, token_weight, segment_weight, po
             segment_weight.stride(1), pos_weight.stride(1), pos_weight.stride(2),
             HAS_POSITIONS=positions is not None, BLOCK_T=block_t, BLOCK_H=block_h,
             num_warps=num_warps)
-    return out.view(*tokens.shape, hidden)
+    return out
 
 
 def _check_bwd_inputs(grad_out, tokens, segments, positions, n_tokens, n_segments, max_len):
