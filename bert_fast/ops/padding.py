@@ -38,7 +38,8 @@ def unpad(x, unpadding):
 def pad(x, unpadding):
     """(N, ...) -> (B, L, ...), zeros at padded positions."""
     # Zeros, not empty: padded rows are keys/values of attention, masked but still multiplied.
-    flat = x.new_zeros((unpadding.batch * unpadding.seqlen,) + tuple(x.shape[1:]))
-    # In place is fine under autograd (the zeros are no leaf) and saves a full copy.
-    flat.index_copy_(0, unpadding.indices, x)
-    return flat.unflatten(0, (unpadding.batch, unpadding.seqlen))
+    out = x.new_zeros((unpadding.batch, unpadding.seqlen) + tuple(x.shape[1:]))
+    # In place through a flat view: fine under autograd (the zeros are no leaf), saves a full
+    # copy, and leaves `out` itself no view (FSDP2 warns about modules that return views).
+    out.flatten(0, 1).index_copy_(0, unpadding.indices, x)
+    return out
