@@ -176,6 +176,16 @@ class _LocalBatch:
             self.checks.true(not out[~self.mask].any(), f"{self.where}: padded positions are not zero")
 
 
+def _eval_step_eval(local, wrapped, model, ref, optimizer, batch):
+    """An eval forward, one training step of ``wrapped`` against the reference's on the whole
+    ``batch`` (gradients and parameters of ``model`` compared by name), an eval forward."""
+    local.check_eval(wrapped, ref, "before training")
+    ref_out = _reference_step(ref, *batch, local.skip_padding)
+    local.train_step(wrapped, optimizer, ref_out)
+    _compare_grads_and_params(local.checks, model, ref, local.where)
+    local.check_eval(wrapped, ref, "after the step")
+
+
 def _scenario_ddp(rank, *, backend, valid_lens, skip_padding=False, learn_pos_embedding=False,
                   pack_qkv=False, compile=False):
     checks = _Checks()
@@ -209,11 +219,7 @@ def _scenario_ddp(rank, *, backend, valid_lens, skip_padding=False, learn_pos_em
         checks.true(torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1,
                     f"{local.where}: torch.compile captured no graph")
         return checks.report()
-    local.check_eval(ddp, ref, "before training")
-    ref_out = _reference_step(ref, tokens, segments, valid_lens, weights, skip_padding)
-    local.train_step(ddp, optimizer, ref_out)
-    _compare_grads_and_params(checks, model, ref, local.where)
-    local.check_eval(ddp, ref, "after the step")
+    _eval_step_eval(local, ddp, model, ref, optimizer, (tokens, segments, valid_lens, weights))
     return checks.report()
 
 
@@ -245,11 +251,7 @@ def _scenario_fsdp(rank, *, backend, valid_lens, pack_qkv=None, skip_padding=Fal
                 f"{local.where}: fully_shard left W_q.weight a {type(sharded).__name__}, not a DTensor")
     if pack_qkv == "after_wrap":
         model.pack_qkv_()
-    local.check_eval(model, ref, "before training")
-    ref_out = _reference_step(ref, tokens, segments, valid_lens, weights, skip_padding)
-    local.train_step(model, optimizer, ref_out)
-    _compare_grads_and_params(checks, model, ref, local.where)
-    local.check_eval(model, ref, "after the step")
+    _eval_step_eval(local, model, model, ref, optimizer, (tokens, segments, valid_lens, weights))
     return checks.report()
 
 
