@@ -379,3 +379,21 @@ def test_output_can_be_edited_in_place_as_the_reference_allows(backend, skip_pad
     for name, param in fast.named_parameters():
         if grads[name].grad is not None:
             assert_close(param.grad, grads[name].grad, atol=1e-4, rtol=1e-4, what=f"grad {name}")
+
+
+@pytest.mark.parametrize("backend", _usable_backends())
+def test_double_backward_runs_on_torch_and_says_it_is_unsupported_elsewhere(backend):
+    """A gradient penalty (create_graph=True, then backward again): the torch path supports
+    it; the fused kernels have no second derivative and must say so, never drop the terms."""
+    _, fast = encoder_pair(encoder_config(num_layers=1), backend=backend)
+    tokens, segments = random_inputs(B, L, 50)
+    out = fast(tokens, segments, torch.tensor([4, 13, 9]))
+    weight = fast.blks[0].ffn.dense1.weight
+    grad, = torch.autograd.grad((out ** 2).sum(), weight, create_graph=True)
+    penalty = grad.pow(2).sum()
+    if backend in ("torch", "auto"):        # auto: torch for these CPU inputs
+        penalty.backward()
+        assert weight.grad is not None and weight.grad.abs().sum() > 0
+        return
+    with pytest.raises(NotImplementedError, match=r"double backward .* not supported .* backend='torch'"):
+        penalty.backward()

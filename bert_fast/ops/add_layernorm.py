@@ -35,6 +35,7 @@ from torch.library import triton_op
 from torch.nn import functional as F
 
 from ..extension import require_extension
+from ._autograd import forbid_double_backward
 from ._philox import check_seed, dropout_keep, dropout_seed
 from ._triton import (as_rows, KERNEL_DTYPES, launch, reduction_programs, require_triton, tl, triton,
                       uses_triton)
@@ -356,6 +357,7 @@ def _backward(ctx, grad_out, _grad_mean, _grad_rstd, backward_op=None):
 
 
 add_layernorm_fwd.register_autograd(_backward, setup_context=_setup_context)
+forbid_double_backward("bert_fast::add_layernorm_bwd", "add_layernorm")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -389,6 +391,7 @@ def register_extension_ops():
     torch.library.register_fake("bert_fast::ext_add_layernorm_bwd", _ext_bwd_fake)
     torch.library.register_autograd("bert_fast::ext_add_layernorm_fwd", _ext_backward,
                                     setup_context=_setup_context)
+    forbid_double_backward("bert_fast::ext_add_layernorm_bwd", "add_layernorm")
 
 
 def add_layernorm(x, residual, weight, bias, eps=1e-5, dropout_p=0.0, training=False, *,

@@ -52,6 +52,7 @@ from torch.library import triton_op
 from torch.nn import functional as F
 
 from ..reference import MASK_VALUE
+from ._autograd import forbid_double_backward
 from ._philox import check_seed, dropout_keep, dropout_seed
 from ._triton import interpreting, launch, require_triton, tl, triton, uses_triton
 from .padding import pad, unpad
@@ -829,6 +830,8 @@ def _varlen_attention_backward(ctx, grad_out, grad_lse):
 
 attention_fwd.register_autograd(_attention_backward, setup_context=_attention_setup_context)
 varlen_attention_fwd.register_autograd(_varlen_attention_backward, setup_context=_varlen_attention_setup_context)
+forbid_double_backward("bert_fast::attention_bwd", "attention")
+forbid_double_backward("bert_fast::varlen_attention_bwd", "attention (skip_padding)")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import torch
 from torch.library import triton_op
 from torch.nn import functional as F
 
+from ._autograd import forbid_double_backward
 from ._triton import (as_rows, KERNEL_DTYPES, launch, reduction_programs, require_triton,
                       tl, triton, uses_triton)
 # Shared with add_layernorm: the dtypes the kernels take, the (rows, N) view the launchers
@@ -280,6 +281,7 @@ def _backward(ctx, grad_out):
 
 
 bias_act_fwd.register_autograd(_backward, setup_context=_setup_context)
+forbid_double_backward("bert_fast::bias_act_bwd", "bias_act")
 
 
 def bias_act(h, bias, activation="relu"):

@@ -55,6 +55,7 @@ from torch.library import triton_op
 from torch.nn import functional as F
 
 from ..extension import require_extension
+from ._autograd import forbid_double_backward
 from ._triton import KERNEL_DTYPES, launch, require_triton, tl, triton, uses_triton
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -499,6 +500,7 @@ def _backward(ctx, grad_out):
 
 
 embedding_sum_fwd.register_autograd(_backward, setup_context=_setup_context)
+forbid_double_backward("bert_fast::embedding_sum_bwd", "embedding_sum")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -537,6 +539,7 @@ def register_extension_ops():
     torch.library.register_fake("bert_fast::ext_embedding_sum_bwd", _ext_bwd_fake)
     torch.library.register_autograd("bert_fast::ext_embedding_sum_fwd", _ext_backward,
                                     setup_context=_ext_setup_context)
+    forbid_double_backward("bert_fast::ext_embedding_sum_bwd", "embedding_sum")
 
 
 def embedding_sum(tokens, segments, token_weight, segment_weight, pos_weight, *,
