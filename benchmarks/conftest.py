@@ -171,10 +171,8 @@ def pytest_terminal_summary(terminalreporter, config):
     if matrix is None or not matrix.rows:
         return
     terminalreporter.section("bert_fast GPU matrix")
-    rows = matrix.rows
-    for key in dict.fromkeys(bench_suite.group_key(row) for row in rows):
-        group = [row for row in rows if bench_suite.group_key(row) == key]
-        terminalreporter.write_line(bench_suite.group_heading(group) + "\n\n" + bench_suite.markdown_table(group) + "\n")
+    for group in bench_suite.groups(matrix.rows):
+        terminalreporter.write_line(bench_suite.group_markdown(group) + "\n")
     if matrix.record_path:
         terminalreporter.write_line(f"record: {matrix.record_path} "
                                     f"(python -m bert_fast.bench --table-from {matrix.record_path})")

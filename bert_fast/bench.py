@@ -97,6 +97,15 @@ class BenchModels(NamedTuple):
     config: dict               # encoder_config(preset)
 
 
+def fast_encoder_sharing(eager, config, **options):
+    """A FastBERTEncoder in eval mode on ``eager``'s tensors: built on the meta device and
+    given them with ``load_state_dict(assign=True)``, so no second init and no second copy."""
+    with torch.device("meta"):
+        fast = FastBERTEncoder(**config, **options)
+    fast.load_state_dict(eager.state_dict(), strict=True, assign=True)
+    return fast.eval()
+
+
 def build_models(preset, dtype, device, *, seed=0, include_compile=True, backends=("auto",)):
     """The benchmarked methods of one preset, all on the same weights, in eval mode.
 
@@ -104,9 +113,7 @@ def build_models(preset, dtype, device, *, seed=0, include_compile=True, backend
     are named with it, e.g. "fast[cuda]".
 
     The reference is initialised on the CPU with ``seed`` (the same weights on every device),
-    then moved. The fast encoders are built on the meta device and take the eager encoder's
-    tensors with ``load_state_dict(strict=True, assign=True)``: no second random init, and the
-    methods share one copy of the weights.
+    then moved. The fast encoders share the eager encoder's tensors (fast_encoder_sharing).
     """
     config = encoder_config(preset)
     torch.manual_seed(seed)
@@ -118,10 +125,8 @@ def build_models(preset, dtype, device, *, seed=0, include_compile=True, backend
     for backend in backends:
         for name, skip_padding in (("fast", False), ("fast_skip_padding", True)):
             name = name if backend == "auto" else f"{name}[{backend}]"
-            with torch.device("meta"):
-                fast = FastBERTEncoder(**config, skip_padding=skip_padding, backend=backend)
-            fast.load_state_dict(eager.state_dict(), strict=True, assign=True)
-            methods[name] = Method(name, fast.eval(), valid_positions_only=skip_padding)
+            fast = fast_encoder_sharing(eager, config, skip_padding=skip_padding, backend=backend)
+            methods[name] = Method(name, fast, valid_positions_only=skip_padding)
     return BenchModels(methods, reference, config)
 
 

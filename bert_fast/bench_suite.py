@@ -61,12 +61,11 @@ import torch
 
 from .backend import BACKENDS, backend_for, resolve_backend
 from .bench import (BASELINE, DTYPES, PRESETS, Method, Progress, build_models, default_device,
-                    encoder_config, environment_info, first_call, load_json, make_inputs,
-                    format_markdown as bench_format_markdown,
-                    max_error, synchronize, time_interleaved, write_json, _figure_class)
+                    encoder_config, environment_info, fast_encoder_sharing, first_call, load_json,
+                    make_inputs, max_error, synchronize, time_interleaved, write_json, _figure_class)
+from .bench import format_markdown as bench_format_markdown
 from .convert import optimize
 from .cuda_graph import capture_encoder
-from .modules import FastBERTEncoder
 from .reference import BERTModel, pretraining_loss
 
 RECORD_KIND = "bert_fast.bench --suite gpu"
@@ -265,11 +264,9 @@ def reduce_overhead_method(eager, config, device, options):
         return unavailable(name, "CUDA only (reduce-overhead replays CUDA graphs)", ours=True)
     if not options.compile:
         return unavailable(name, "not asked (--no-compile)", ours=True)
-    with torch.device("meta"):
-        # check_inputs=False: the input check's host sync would split the graph.
-        fast = FastBERTEncoder(**config, backend="auto", check_inputs=False)
-    fast.load_state_dict(eager.state_dict(), strict=True, assign=True)
-    return SuiteMethod(name, torch.compile(fast.eval(), mode="reduce-overhead", dynamic=False), ours=True)
+    # check_inputs=False: the input check's host sync would split the graph.
+    fast = fast_encoder_sharing(eager, config, backend="auto", check_inputs=False)
+    return SuiteMethod(name, torch.compile(fast, mode="reduce-overhead", dynamic=False), ours=True)
 
 
 class _CapturedOnFirstCall:
@@ -293,10 +290,10 @@ def cuda_graph_capture_method(eager, config, device):
     name = "fast_cuda_graph"
     if device.type != "cuda":
         return unavailable(name, "CUDA only (capture_encoder replays a CUDA graph)", ours=True)
-    with torch.device("meta"):
-        fast = FastBERTEncoder(**config, backend="auto", check_inputs=False)
-    fast.load_state_dict(eager.state_dict(), strict=True, assign=True)
-    return SuiteMethod(name, _CapturedOnFirstCall(fast.eval().pack_qkv_()), ours=True)
+    # pack_qkv_ moves only this encoder's Parameters (assign=True made new ones on eager's
+    # tensors) into one buffer: the other methods keep eager's weights.
+    fast = fast_encoder_sharing(eager, config, backend="auto", check_inputs=False).pack_qkv_()
+    return SuiteMethod(name, _CapturedOnFirstCall(fast), ours=True)
 
 
 def inference_workload(shape, preset, dtype, device, options):
@@ -675,13 +672,13 @@ def _markdown_cells(row):
             f"{row['pct_of_matmul_peak']:.1f}", error, _optional(row["peak_memory_mib"], "{:,.0f}")]
 
 
-def markdown_table(rows):
+def _markdown_table(rows):
     lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
     lines += ["| " + " | ".join(_markdown_cells(row)) + " |" for row in rows]
     return "\n".join(lines)
 
 
-def group_heading(rows):
+def _group_heading(rows):
     first = rows[0]
     what = ("training step (fwd + bwd + AdamW)" if first["training"] else "inference") + \
         f", B{first['batch']} L{first['seq']}"
@@ -724,9 +721,7 @@ def format_markdown(records):
             continue
         parts.append(_caption(record))
         rows = record["rows"]
-        for key in dict.fromkeys(group_key(row) for row in rows):
-            group = [row for row in rows if group_key(row) == key]
-            parts += [group_heading(group), markdown_table(group)]
+        parts += [group_markdown(group) for group in groups(rows)]
         parts.append(_footnotes(record))
     return "\n\n".join(parts)
 
@@ -737,6 +732,18 @@ def table_from_files(paths):
 
 def group_key(row):
     return row["preset"], row["dtype"], row["shape"]
+
+
+def groups(rows):
+    """The rows per (preset, dtype, shape), in the order the groups first appear."""
+    by_key = {}
+    for row in rows:
+        by_key.setdefault(group_key(row), []).append(row)
+    return list(by_key.values())
+
+
+def group_markdown(group):
+    return _group_heading(group) + "\n\n" + _markdown_table(group)
 
 
 # --------------------------------------------------------------------------- plot
@@ -902,7 +909,7 @@ def main(argv, record_argv=None):
         # Rewritten after every group: a run stopped by a time limit keeps what it measured.
         write_json(make_suite_record(rows, peaks, options, shapes, device, command), path)
         progress.close()
-        print(group_heading(group) + "\n\n" + markdown_table(group) + "\n", flush=True)
+        print(group_markdown(group) + "\n", flush=True)
 
     rows, peaks = run_suite(options, shapes, progress, on_group)
     progress.close()
