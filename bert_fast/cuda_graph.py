@@ -33,7 +33,7 @@ Constraints (they all come from the graph replaying fixed work on fixed memory):
   replaced by new tensors (``module.weight = nn.Parameter(...)``, ``.to(dtype)``,
   ``load_state_dict(assign=True)``) are not: capture again after those.
 * Input checks. With ``encoder.check_inputs`` True (FastBERTEncoder's default) each call runs
-  ``bert_fast.checks.check_encoder_inputs`` eagerly before replaying: bad token ids get a
+  ``encoder.validate_inputs`` eagerly before replaying: bad token ids get a
   ValueError instead of an out-of-bounds read inside the graph, at the cost of one host
   synchronisation per call. Set ``encoder.check_inputs = False`` to remove it once your loop
   guarantees valid inputs.
@@ -53,7 +53,6 @@ import contextlib
 import torch
 from torch import nn
 
-from .checks import check_encoder_inputs
 from .reference import BERTModel
 
 __all__ = ["capture_encoder", "GraphedEncoder"]
@@ -76,14 +75,11 @@ def _describe(t):
     return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
 
 
-def _check_options(encoder):
-    """check_encoder_inputs' keyword arguments for this encoder, as its forward passes them,
-    or None for a module without an input check (the reference BERTEncoder)."""
-    if not hasattr(encoder, "check_inputs"):
-        return None
-    return dict(vocab_size=encoder.token_embedding.num_embeddings,
-                max_len=encoder.pos_embedding.shape[1], device=encoder.pos_embedding.device,
-                skip_padding=getattr(encoder, "skip_padding", False))
+def _validate_if_asked(encoder, inputs):
+    """The encoder's own input check, eagerly, when it has one and it is on (read on every
+    call, so flipping ``encoder.check_inputs`` takes effect). The reference has none."""
+    if getattr(encoder, "check_inputs", False):
+        encoder.validate_inputs(*inputs)
 
 
 @contextlib.contextmanager
@@ -178,9 +174,7 @@ def capture_encoder(encoder, tokens, segments, valid_lens=None, *, warmup_iters=
             allowed = "a torch.Tensor or None" if name == "valid_lens" else "a torch.Tensor"
             raise TypeError(f"{name} must be {allowed}, got {type(t).__name__}")
     device = _require_one_cuda_device(encoder, inputs)
-    check_options = _check_options(encoder)
-    if check_options is not None and encoder.check_inputs:
-        check_encoder_inputs(tokens, segments, valid_lens, **check_options)
+    _validate_if_asked(encoder, inputs)
 
     with torch.cuda.device(device):
         # Ordinary tensors even when the caller is in inference mode: every call copies into
@@ -201,8 +195,7 @@ def capture_encoder(encoder, tokens, segments, valid_lens=None, *, warmup_iters=
     if not isinstance(static_output, torch.Tensor):
         raise TypeError(f"capture_encoder needs a module whose forward returns one tensor; "
                         f"{type(encoder).__name__} returned {type(static_output).__name__}")
-    return GraphedEncoder(encoder, graph, static_inputs, static_output, device, check_options,
-                          clone_output)
+    return GraphedEncoder(encoder, graph, static_inputs, static_output, device, clone_output)
 
 
 class GraphedEncoder:
@@ -214,22 +207,19 @@ class GraphedEncoder:
     buffer it writes), ``device``, ``clone_output``.
     """
 
-    def __init__(self, encoder, graph, static_inputs, static_output, device, check_options,
-                 clone_output):
+    def __init__(self, encoder, graph, static_inputs, static_output, device, clone_output):
         self.encoder = encoder
         self.graph = graph
         self.static_inputs = static_inputs
         self.static_output = static_output
         self.device = device
         self.clone_output = bool(clone_output)
-        self._check_options = check_options
 
     def __call__(self, tokens, segments, valid_lens=None):
         inputs = (tokens, segments, valid_lens)
         for name, given, static in zip(_INPUT_NAMES, inputs, self.static_inputs):
             _check_matches_captured(name, given, static)
-        if self._check_options is not None and self.encoder.check_inputs:
-            check_encoder_inputs(tokens, segments, valid_lens, **self._check_options)
+        _validate_if_asked(self.encoder, inputs)
         # no_grad: a float valid_lens that requires grad must not attach the buffer to autograd.
         with torch.cuda.device(self.device), torch.no_grad():
             for given, static in zip(inputs, self.static_inputs):

@@ -235,12 +235,15 @@ class FastBERTEncoder(nn.Module):
             blk.attention.pack_qkv_()
         return self
 
+    def validate_inputs(self, tokens, segments, valid_lens=None):
+        """What forward checks when check_inputs is True (bert_fast.checks: one host sync)."""
+        check_encoder_inputs(tokens, segments, valid_lens, vocab_size=self.token_embedding.num_embeddings,
+                             max_len=self.pos_embedding.shape[1], device=self.pos_embedding.device,
+                             skip_padding=self.skip_padding)
+
     def forward(self, tokens, segments, valid_lens=None):
         if self.check_inputs:
-            check_encoder_inputs(tokens, segments, valid_lens,
-                                 vocab_size=self.token_embedding.num_embeddings,
-                                 max_len=self.pos_embedding.shape[1],
-                                 device=self.pos_embedding.device, skip_padding=self.skip_padding)
+            self.validate_inputs(tokens, segments, valid_lens)
         embed = dict(token_weight=self.token_embedding.weight,
                      segment_weight=self.segment_embedding.weight,
                      pos_weight=self.pos_embedding, learn_pos_embedding=self.learn_pos_embedding,
