@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from bert_fast import bench_suite
-from bert_fast.bench import (DTYPES, BenchModels, EncoderInputs, build_models, default_device,
-                             first_call, make_inputs, write_json)
+from bert_fast.bench_common import (DTYPES, BenchModels, EncoderInputs, build_models, default_device,
+                                    first_call, group_key, group_markdown, groups, make_inputs,
+                                    write_json)
 
 
 class BenchShape(NamedTuple):
@@ -142,8 +143,8 @@ class Matrix:
     def add_rows(self, rows):
         """Adds rows, recomputes the speedups of their group; returns the group."""
         self.rows += rows
-        key = bench_suite.group_key(rows[0])
-        group = [row for row in self.rows if bench_suite.group_key(row) == key]
+        key = group_key(rows[0])
+        group = [row for row in self.rows if group_key(row) == key]
         bench_suite.add_speedups(group)
         if self.record_path:
             # Rewritten after every test, as the CLI does after every group: an interrupted
@@ -171,8 +172,8 @@ def pytest_terminal_summary(terminalreporter, config):
     if matrix is None or not matrix.rows:
         return
     terminalreporter.section("bert_fast GPU matrix")
-    for group in bench_suite.groups(matrix.rows):
-        terminalreporter.write_line(bench_suite.group_markdown(group) + "\n")
+    for group in groups(matrix.rows):
+        terminalreporter.write_line(group_markdown(group) + "\n")
     if matrix.record_path:
         terminalreporter.write_line(f"record: {matrix.record_path} "
                                     f"(python -m bert_fast.bench --table-from {matrix.record_path})")

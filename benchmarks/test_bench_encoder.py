@@ -9,7 +9,7 @@ fp32 eager reference.
 import pytest
 import torch
 
-from bert_fast.bench import METHOD_NAMES, first_call, max_error, synchronize
+from bert_fast.bench_common import METHOD_NAMES, first_call, max_error, synchronize
 
 # The floor of the project's tolerance rule for fp32 (STYLE.md, Tests).
 FP32_TOLERANCE = 1e-4

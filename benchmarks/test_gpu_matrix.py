@@ -25,7 +25,7 @@ torch.compile are measured and their error recorded, never failed: a peer that c
 import pytest
 
 from bert_fast import bench_suite
-from bert_fast.bench import DTYPES, synchronize
+from bert_fast.bench_common import DTYPES, failure_reason, synchronize
 from tests.helpers import FLOOR
 
 
@@ -70,7 +70,7 @@ def test_matrix(benchmark, matrix, matrix_case):
             memory = bench_suite.peak_memory_mib(method.forward, workload.inputs, device)
         except Exception as failure:        # out of memory, a recompilation that fails ...
             bench_suite.release_memory()
-            skip_or_fail(f"failed while timing: {bench_suite.failure_reason(failure)}")
+            skip_or_fail(f"failed while timing: {failure_reason(failure)}")
     if benchmark.stats is None:
         row = add_row(bench_suite.Measured("not timed (--benchmark-disable)", first_call_ms, error))
     else:

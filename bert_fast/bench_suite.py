@@ -35,7 +35,8 @@ against the fp32 eager reference, and peak memory (CUDA).
 Records: each run writes benchmarks/results/<device>-<date>.json (or --json PATH), rewritten
 after every shape so that a run cut short keeps what it measured. ``--table-from`` prints a
 record as markdown tables (the README's performance table); ``--plot PATH --plot-from JSON``
-draws it.
+draws it (both read records in bert_fast/bench_common.py, which has what this module shares
+with the main job).
 
 A full matrix compiles ~40 models (max-autotune takes minutes each): on a machine with a
 time limit per command, run it in parts (--preset base --dtype bfloat16 --shapes dense long)
@@ -60,15 +61,15 @@ import numpy as np
 import torch
 
 from .backend import BACKENDS, backend_for, resolve_backend
-from .bench import (BASELINE, DTYPES, PRESETS, Method, Progress, build_models, default_device,
-                    encoder_config, environment_info, fast_encoder_sharing, first_call, load_json,
-                    make_inputs, max_error, synchronize, time_interleaved, write_json, _figure_class)
-from .bench import format_markdown as bench_format_markdown
+from .bench_common import (BASELINE, DTYPES, PRESETS, SUITE_RECORD_KIND, Method, Progress,
+                           build_models, default_device, encoder_config, environment_info,
+                           failure_reason, fast_encoder_sharing, figure_class, first_call,
+                           group_markdown, make_inputs, max_error, plot_suite, synchronize,
+                           time_interleaved, write_json)
 from .convert import optimize
 from .cuda_graph import capture_encoder
 from .reference import BERTModel, pretraining_loss
 
-RECORD_KIND = "bert_fast.bench --suite gpu"
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
 
@@ -123,12 +124,6 @@ class SuiteMethod(Method):
 
 def unavailable(name, reason, ours=False):
     return SuiteMethod(name, None, ours=ours, unavailable=reason)
-
-
-def failure_reason(error):
-    """One line naming an exception, short enough for a table cell."""
-    first_line = (str(error).strip().splitlines() or [""])[0]
-    return f"{type(error).__name__}: {first_line}"[:200]
 
 
 class Workload(NamedTuple):
@@ -623,7 +618,7 @@ def default_record_path(device, today):
 
 def make_suite_record(rows, matmul_peaks, options, shapes, device, argv):
     return dict(
-        kind=RECORD_KIND,
+        kind=SUITE_RECORD_KIND,
         environment=environment_info(device),
         command=list(argv),
         date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -635,165 +630,6 @@ def make_suite_record(rows, matmul_peaks, options, shapes, device, argv):
                     timing=TIMING, flop_formula=FLOP_FORMULA, error=ERROR_NOTE),
         matmul_peaks=matmul_peaks,
         rows=rows)
-
-
-def is_suite_record(record):
-    return record.get("kind") == RECORD_KIND
-
-
-# --------------------------------------------------------------------------- markdown table
-
-TABLE_HEADER = ("method", "median ms", "p90 ms", "valid tok/s", "padded tok/s", "vs eager",
-                "vs best peer", "TFLOP/s", "% peak", "error", "peak MiB")
-
-
-def _si(value):
-    for scale, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= scale:
-            return f"{value / scale:.2f}{unit}"
-    return f"{value:.0f}"
-
-
-def _optional(value, fmt):
-    return "–" if value is None else fmt.format(value)
-
-
-def _markdown_cells(row):
-    name = f"**{row['method']}**" if row["ours"] else row["method"]
-    if row["skipped"] is not None:
-        reason = row["skipped"].replace("|", "\\|")
-        return [name, f"skipped: {reason}"] + [""] * (len(TABLE_HEADER) - 2)
-    error = _optional(row["error"], "{:.1e}")
-    if row["training"] and row["error"] is not None:
-        error = "Δloss " + error
-    return [name, f"{row['median_ms']:.3f}", f"{row['p90_ms']:.3f}", _si(row["valid_tokens_per_s"]),
-            _si(row["padded_tokens_per_s"]), _optional(row["speedup_vs_eager"], "{:.2f}×"),
-            _optional(row["speedup_vs_best_peer"], "{:.2f}×"), f"{row['model_tflops']:.3g}",
-            f"{row['pct_of_matmul_peak']:.1f}", error, _optional(row["peak_memory_mib"], "{:,.0f}")]
-
-
-def _markdown_table(rows):
-    lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
-    lines += ["| " + " | ".join(_markdown_cells(row)) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def _group_heading(rows):
-    first = rows[0]
-    what = ("training step (fwd + bwd + AdamW)" if first["training"] else "inference") + \
-        f", B{first['batch']} L{first['seq']}"
-    share = 100 * first["valid_tokens"] / first["padded_tokens"]
-    best = next((row for row in rows if row.get("best_peer")), None)
-    best_text = f"; best peer: {best['best_peer']}" if best else "; no peer ran"
-    return (f"**{first['preset']} · {first['dtype']} · {first['shape']}**: {what}, "
-            f"{first['valid_tokens']} of {first['padded_tokens']} tokens valid ({share:.0f}%){best_text}")
-
-
-def _caption(record):
-    env = record["environment"]
-    peaks = ", ".join(f"{p['dtype']} {p['tflops']:.3g} TFLOP/s ({p['n']}³)" for p in record["matmul_peaks"])
-    return (f"Measured on **{env['device_name']}** ({env['device']}), {record['date']}: torch {env['torch']}, "
-            f"triton {env['triton']}, CUDA {env['cuda']}, auto backend {env['auto_backend']}, "
-            f"extension {env['extension']}. Matmul peak in the same run: {peaks}.\n"
-            f"Command: `{' '.join(record['command'])}`")
-
-
-def _footnotes(record):
-    config = record["config"]
-    return "\n".join([
-        "Bold: bert_fast's methods. tok/s = tokens / median latency (valid: the sequences' lengths; "
-        "padded: B × L). vs best peer: against the fastest method that is not bert_fast's.",
-        f"TFLOP/s: {config['flop_formula']} % peak: of the matmul peak above.",
-        f"Error: {config['error']}. Peak MiB: torch.cuda.max_memory_allocated over one call.",
-        f"Timing: {config['timing']}. Training precision: {config['precision']}."])
-
-
-def format_markdown(records):
-    """Markdown of records: per suite record a caption naming the machine, then a table per
-    group; a main-job record (``python -m bert_fast.bench --json``) as bench.format_markdown."""
-    parts = []
-    for record in records:
-        if not is_suite_record(record):
-            if "encoder" not in record.get("config", {}):
-                raise ValueError("--table-from reads records of `python -m bert_fast.bench --json` "
-                                 "or `--suite gpu`; this file is neither")
-            parts.append(bench_format_markdown(record))
-            continue
-        parts.append(_caption(record))
-        rows = record["rows"]
-        parts += [group_markdown(group) for group in groups(rows)]
-        parts.append(_footnotes(record))
-    return "\n\n".join(parts)
-
-
-def table_from_files(paths):
-    return format_markdown([load_json(path) for path in paths])
-
-
-def group_key(row):
-    return row["preset"], row["dtype"], row["shape"]
-
-
-def groups(rows):
-    """The rows per (preset, dtype, shape), in the order the groups first appear."""
-    by_key = {}
-    for row in rows:
-        by_key.setdefault(group_key(row), []).append(row)
-    return list(by_key.values())
-
-
-def group_markdown(group):
-    return _group_heading(group) + "\n\n" + _markdown_table(group)
-
-
-# --------------------------------------------------------------------------- plot
-
-def plot_suite(records, path, labels=None):
-    """PNG: per record, preset and dtype, speedup vs eager of every method on every shape."""
-    for record in records:
-        if not is_suite_record(record):
-            raise ValueError("plot_suite draws --suite records only; plot other records separately")
-    groups = [(index, preset, dtype) for index, record in enumerate(records)
-              for preset, dtype in dict.fromkeys((row["preset"], row["dtype"]) for row in record["rows"])]
-    Figure = _figure_class()
-    fig = Figure(figsize=(10, 3.8 * len(groups)), layout="constrained")
-    axes = fig.subplots(len(groups), 1, squeeze=False)[:, 0]
-    for ax, (index, preset, dtype) in zip(axes, groups):
-        rows = [row for row in records[index]["rows"] if row["preset"] == preset
-                and row["dtype"] == dtype and row["skipped"] is None and row["speedup_vs_eager"]]
-        _bars(ax, rows)
-        label = f" ({labels[index]})" if labels and len(records) > 1 else ""
-        ax.set_title(f"{preset} · {dtype} · {records[index]['environment']['device_name']}{label}",
-                     fontsize=10)
-    fig.savefig(path, dpi=120)
-
-
-def _bars(ax, rows):
-    """Grouped bars: a group per shape holding only that shape's methods (training has its own
-    methods), one colour per method across the groups."""
-    shapes = list(dict.fromkeys(row["shape"] for row in rows))
-    methods = list(dict.fromkeys(row["method"] for row in rows))
-    colors = {m: f"C{i}" if len(methods) <= 10 else _tab20(i) for i, m in enumerate(methods)}
-    per_shape = {shape: [row for row in rows if row["shape"] == shape] for shape in shapes}
-    width = 0.85 / max(len(group) for group in per_shape.values())
-    labelled = set()
-    for x, shape in enumerate(shapes):
-        group = per_shape[shape]
-        for offset, row in enumerate(group):
-            method = row["method"]
-            ax.bar(x + (offset - (len(group) - 1) / 2) * width, row["speedup_vs_eager"], width,
-                   color=colors[method], label=None if method in labelled else method)
-            labelled.add(method)
-    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
-    ax.set_xticks(range(len(shapes)), shapes)
-    ax.set_ylabel("speedup vs eager (median)")
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=7, ncols=3)
-
-
-def _tab20(index):
-    from matplotlib import colormaps
-    return colormaps["tab20"](index % 20)
 
 
 # --------------------------------------------------------------------------- CLI
@@ -832,7 +668,7 @@ def parse_args(argv):
     options = parser.parse_args(argv)
     if options.plot:
         try:
-            _figure_class()
+            figure_class()
         except ImportError as error:
             parser.error(str(error))
     options.compile = (not options.quick) if options.compile is None else options.compile

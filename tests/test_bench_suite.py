@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bert_fast import bench, bench_suite
+from bert_fast import bench, bench_common, bench_suite
 
 FP32_TOLERANCE = 1e-4       # STYLE.md's floor for fp32
 CPU = torch.device("cpu")
@@ -47,7 +47,7 @@ def record_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def record(record_path):
-    return bench.load_json(record_path)
+    return bench_common.load_json(record_path)
 
 
 def rows_of(record, shape):
@@ -55,7 +55,7 @@ def rows_of(record, shape):
 
 
 def test_record_describes_the_run(record):
-    assert bench_suite.is_suite_record(record)
+    assert bench_common.is_suite_record(record)
     assert record["environment"]["device"] == "cpu" and record["environment"]["torch"] == torch.__version__
     assert "--suite" in record["command"] and record["date"]
     assert record["config"]["flop_formula"] and record["config"]["quick"] is True
@@ -143,7 +143,7 @@ def test_a_failing_method_becomes_a_skipped_row():
     workload = bench_suite.Workload(shape, methods, inputs, check=lambda method, output: 0.0,
                                     prepare_timing=lambda methods: None,
                                     grad_context=torch.inference_mode, flops=1e6)
-    results = bench_suite.measure(workload, CPU, rounds=2, warmup=1, progress=bench.Progress())
+    results = bench_suite.measure(workload, CPU, rounds=2, warmup=1, progress=bench_common.Progress())
     rows = bench_suite.make_rows(workload, results, preset="toy", dtype_name="float32",
                                  matmul_peak_tflops=1.0)
     skipped = {row["method"]: row["skipped"] for row in rows}
@@ -183,8 +183,8 @@ def test_pytest_matrix_smoke_run(tmp_path):
     result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "bert_fast GPU matrix" in result.stdout and "demo-float32-mixed" in result.stdout
-    record = bench.load_json(path)
-    assert bench_suite.is_suite_record(record) and "pytest" in record["command"]
+    record = bench_common.load_json(path)
+    assert bench_common.is_suite_record(record) and "pytest" in record["command"]
     for shape in ("mixed", "train"):
         rows = rows_of(record, shape)
         assert [row["method"] for row in rows] == [
@@ -203,7 +203,7 @@ MAIN_JOB_RECORD = Path(__file__).resolve().parent.parent / "benchmarks" / "resul
 def test_table_from_prints_a_main_job_record(capsys):
     bench.main(["--table-from", str(MAIN_JOB_RECORD)])
     table = capsys.readouterr().out
-    record = bench.load_json(MAIN_JOB_RECORD)
+    record = bench_common.load_json(MAIN_JOB_RECORD)
     assert record["environment"]["device_name"] in table and " ".join(record["command"]) in table
     for row in record["rows"]:
         assert f"| {row['method']} | {row['seq']} | {row['median_ms']:.1f} |" in table
@@ -211,13 +211,13 @@ def test_table_from_prints_a_main_job_record(capsys):
 
 def test_readme_gets_the_tables_between_its_markers(tmp_path, record_path):
     readme = tmp_path / "README.md"
-    readme.write_text(f"# title\n\nbefore\n{bench.README_BEGIN}\nold table\n{bench.README_END}\nafter\n")
+    readme.write_text(f"# title\n\nbefore\n{bench_common.README_BEGIN}\nold table\n{bench_common.README_END}\nafter\n")
     for _ in range(2):      # rewriting is idempotent
         bench.main(["--table-from", str(MAIN_JOB_RECORD), str(record_path), "--readme", str(readme)])
         text = readme.read_text()
-        assert text == bench.replace_generated_table(
-            f"# title\n\nbefore\n{bench.README_BEGIN}\n{bench.README_END}\nafter\n",
-            bench_suite.table_from_files([MAIN_JOB_RECORD, record_path]))
+        assert text == bench_common.replace_generated_table(
+            f"# title\n\nbefore\n{bench_common.README_BEGIN}\n{bench_common.README_END}\nafter\n",
+            bench_common.table_from_files([MAIN_JOB_RECORD, record_path]))
     assert "old table" not in text and "| eager | 128 |" in text and "demo · float32 · train" in text
 
 

@@ -1,0 +1,539 @@
+"""What the benchmarks share: ``python -m bert_fast.bench`` (bench.py, the main job),
+its ``--suite gpu`` (bench_suite.py, the GPU matrix), and any other benchmark its command line
+dispatches to. They import from here, and bench.py imports the benchmarks it dispatches to:
+no benchmark imports another.
+
+  sizes and dtypes     PRESETS (../shared/REFERENCE.md's sizes), DTYPES, BASELINE ("eager")
+  models and inputs    encoder_config, build_models (eager, compile and FastBERTEncoder on the
+                       same weights), fast_encoder_sharing, make_inputs, max_error
+  timing               first_call, time_interleaved (rounds with a rotating order), synchronize,
+                       Progress (the status line on stderr)
+  records              environment_info (what every record carries), write_json, load_json
+  reading records      format_markdown / table_from_files (``--table-from``) for every record
+                       kind, replace_generated_table (``--readme``), plot_from_json
+                       (``--plot-from``), plot_speedup, plot_suite
+"""
+
+import copy
+import json
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import torch
+
+from . import extension, ops
+from .backend import backend_for
+from .modules import FastBERTEncoder
+from .reference import BERTEncoder
+
+# Sizes from ../shared/REFERENCE.md ("Sizes people use").
+PRESETS = {
+    "demo": dict(vocab_size=10000, num_hiddens=768, ffn_num_hiddens=1024, num_heads=4,
+                 num_layers=2, max_len=1000),
+    # The book's pretraining run on WikiText-2 (whose vocabulary has 20256 tokens).
+    "small": dict(vocab_size=20256, num_hiddens=128, ffn_num_hiddens=256, num_heads=2,
+                  num_layers=2, max_len=1000),
+    "base": dict(vocab_size=30522, num_hiddens=768, ffn_num_hiddens=3072, num_heads=12,
+                 num_layers=12, max_len=512),
+    "large": dict(vocab_size=30522, num_hiddens=1024, ffn_num_hiddens=4096, num_heads=16,
+                  num_layers=24, max_len=512),
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+METHOD_NAMES = ("eager", "compile", "fast", "fast_skip_padding")   # build_models' methods
+BASELINE = "eager"
+# The "kind" of a record of ``--suite gpu``. Main-job records (``--json``) carry no kind.
+SUITE_RECORD_KIND = "bert_fast.bench --suite gpu"
+
+
+# --------------------------------------------------------------------------- models and inputs
+
+def encoder_config(preset):
+    """BERTEncoder keyword arguments of a preset (dropout is set but everything runs in eval)."""
+    hidden = PRESETS[preset]["num_hiddens"]
+    return dict(PRESETS[preset], norm_shape=[hidden], ffn_num_input=hidden, dropout=0.1,
+                key_size=hidden, query_size=hidden, value_size=hidden)
+
+
+def default_device():
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def synchronize(device):
+    """Wait for queued kernels, so a host timer measures the work and not the launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class Method:
+    name: str
+    forward: Callable          # (tokens, segments, valid_lens) -> (B, L, H)
+    # Its padded positions are zeros by design, so only valid positions are compared.
+    valid_positions_only: bool = False
+    # A failure on the first call (compilation) skips the method instead of ending the run.
+    may_fail: bool = False
+
+
+class BenchModels(NamedTuple):
+    methods: dict              # name -> Method, in METHOD_NAMES order
+    reference: torch.nn.Module  # fp32 eager encoder with the same weights
+    config: dict               # encoder_config(preset)
+
+
+def fast_encoder_sharing(eager, config, **options):
+    """A FastBERTEncoder in eval mode on ``eager``'s tensors: built on the meta device and
+    given them with ``load_state_dict(assign=True)``, so no second init and no second copy."""
+    with torch.device("meta"):
+        fast = FastBERTEncoder(**config, **options)
+    fast.load_state_dict(eager.state_dict(), strict=True, assign=True)
+    return fast.eval()
+
+
+def build_models(preset, dtype, device, *, seed=0, include_compile=True, backends=("auto",)):
+    """The benchmarked methods of one preset, all on the same weights, in eval mode.
+
+    ``backends``: the FastBERTEncoder backends to time; methods of a backend other than "auto"
+    are named with it, e.g. "fast[cuda]".
+
+    The reference is initialised on the CPU with ``seed`` (the same weights on every device),
+    then moved. The fast encoders share the eager encoder's tensors (fast_encoder_sharing).
+    """
+    config = encoder_config(preset)
+    torch.manual_seed(seed)
+    reference = BERTEncoder(**config).eval().to(device)
+    eager = reference if dtype == torch.float32 else copy.deepcopy(reference).to(dtype)
+    methods = {"eager": Method("eager", eager)}
+    if include_compile:
+        methods["compile"] = Method("compile", torch.compile(eager), may_fail=True)
+    for backend in backends:
+        for name, skip_padding in (("fast", False), ("fast_skip_padding", True)):
+            name = name if backend == "auto" else f"{name}[{backend}]"
+            fast = fast_encoder_sharing(eager, config, skip_padding=skip_padding, backend=backend)
+            methods[name] = Method(name, fast, valid_positions_only=skip_padding)
+    return BenchModels(methods, reference, config)
+
+
+class EncoderInputs(NamedTuple):
+    tokens: torch.Tensor
+    segments: torch.Tensor
+    valid_lens: torch.Tensor
+
+
+def make_inputs(batch, seq, min_len_frac, vocab_size, seed, device):
+    """Random ids and lengths drawn uniformly from the integers in [ceil(min_len_frac*seq), seq].
+
+    Drawn on the CPU from ``seed`` so every device sees the same inputs.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (batch, seq), generator=generator)
+    segments = torch.randint(0, 2, (batch, seq), generator=generator)
+    valid_lens = torch.randint(math.ceil(min_len_frac * seq), seq + 1, (batch,), generator=generator)
+    return EncoderInputs(tokens.to(device), segments.to(device), valid_lens.to(device))
+
+
+def max_error(output, reference_output, valid_lens=None):
+    """Max |output - reference_output| in fp32; only at valid positions if valid_lens is given."""
+    if valid_lens is not None:
+        unpadding = ops.unpadding_for(valid_lens, output.shape[1])
+        output, reference_output = ops.unpad(output, unpadding), ops.unpad(reference_output, unpadding)
+    diff = (output.float() - reference_output.float()).abs()
+    return diff.max().item() if diff.numel() else 0.0
+
+
+# --------------------------------------------------------------------------- timing
+
+def first_call(method, inputs, device):
+    """Call a method once (the call that compiles) → (output, seconds, skip_reason).
+
+    A failure of a ``may_fail`` method gives ``(None, seconds, one-line reason)``; any other
+    failure propagates.
+    """
+    start = time.perf_counter()
+    try:
+        output = method.forward(*inputs)
+        synchronize(device)
+    except Exception as error:
+        if not method.may_fail:
+            raise
+        return None, time.perf_counter() - start, failure_reason(error)
+    return output, time.perf_counter() - start, None
+
+
+def failure_reason(error):
+    """One line naming an exception, short enough for a table cell."""
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first_line}"[:200]
+
+
+def _rotated(items, shift):
+    shift %= len(items)
+    return items[shift:] + items[:shift]
+
+
+def time_interleaved(methods, inputs, device, *, rounds, untimed_rounds=0, on_call=None):
+    """Seconds per call of each method over ``rounds`` rounds, each calling every method once.
+
+    Rotating the order spreads drift of the machine (other jobs, clocks, caches) over all
+    methods instead of charging it to whichever runs last. ``on_call(name, round, rounds)`` is
+    told before each call; untimed rounds are numbered ``-untimed_rounds .. -1``.
+    """
+    seconds = {method.name: [] for method in methods}
+    for round_index in range(-untimed_rounds, rounds):
+        for method in _rotated(list(methods), round_index):
+            if on_call is not None:
+                on_call(method.name, round_index, rounds)
+            synchronize(device)
+            start = time.perf_counter()
+            method.forward(*inputs)
+            synchronize(device)
+            if round_index >= 0:
+                seconds[method.name].append(time.perf_counter() - start)
+    return seconds
+
+
+class Progress:
+    """A status line on stderr, rewritten in place with '\\r', and notes that stay.
+
+    When stderr is not a terminal (a log file, CI) a rewritten line would pile up into one
+    long line, so updates become ordinary lines, at most one every ``log_interval_s``.
+    """
+
+    def __init__(self, stream=sys.stderr, log_interval_s=10.0):
+        self.stream = stream
+        self.interactive = stream.isatty()
+        self.log_interval_s = log_interval_s
+        self.last_logged = -math.inf
+        self.width = 0
+
+    def update(self, message):
+        if self.interactive:
+            self._write("\r" + message.ljust(self.width))
+            self.width = len(message)
+        elif time.monotonic() - self.last_logged >= self.log_interval_s:
+            self.last_logged = time.monotonic()
+            self._write(message + "\n")
+
+    def note(self, message):
+        self._write(("\r" + message.ljust(self.width) if self.interactive else message) + "\n")
+        self.width = 0
+
+    def close(self):
+        if self.width:
+            self._write("\n")
+            self.width = 0
+
+    def _write(self, text):
+        self.stream.write(text)
+        self.stream.flush()
+
+
+# --------------------------------------------------------------------------- environment and records
+
+def _cpu_name():
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def environment_info(device):
+    """What a recorded result must carry about the machine and the software."""
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return dict(
+        device=str(device),
+        device_name=(torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()),
+        cpu_count=os.cpu_count(), torch_num_threads=torch.get_num_threads(),
+        torch=torch.__version__, triton=triton_version, cuda=torch.version.cuda,
+        python=platform.python_version(), platform=platform.platform(),
+        auto_backend=backend_for("auto", device),
+        extension=extension.loaded_from() if extension.load() else None)
+
+
+def write_json(record, path):
+    Path(path).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+
+
+def load_json(path):
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def is_suite_record(record):
+    return record.get("kind") == SUITE_RECORD_KIND
+
+
+def is_main_record(record):
+    """A record of the main job (``python -m bert_fast.bench --json``)."""
+    return not is_suite_record(record) and "encoder" in record.get("config", {})
+
+
+# --------------------------------------------------------------------------- markdown tables
+
+def main_record_markdown(record):
+    """A record of the main job (``--json``) as markdown: a caption naming the machine, the
+    run and the command, then a table of its rows (the README's performance table)."""
+    env, config = record["environment"], record["config"]
+    model = config["encoder"]
+    caption = (
+        f"Measured on **{env['device_name']}** ({env['device']}, {env['torch_num_threads']} threads), "
+        f"{record['date']}: torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}. "
+        f"Preset {config['preset']} (H {model['num_hiddens']}, {model['num_layers']} layers, "
+        f"{model['num_heads']} heads, FFN {model['ffn_num_hiddens']}), batch {config['batch']}, "
+        f"lengths uniform in [ceil({config['min_len_frac']} L), L], {config['dtype']}, {config['mode']}; "
+        f"{config['repeats']} interleaved rounds.\nCommand: `{' '.join(record['command'])}`")
+    lines = ["| method | L | median ms | p90 ms | valid tok/s | vs eager | max abs err vs fp32 eager |",
+             "|---|---|---|---|---|---|---|"]
+    for row in record["rows"]:
+        if row["skipped"] is not None:
+            lines.append(f"| {row['method']} | {row['seq']} | skipped: {row['skipped']} | | | | |")
+            continue
+        speedup = row["speedup_vs_eager"]
+        error = f"{row['max_abs_err']:.1e}" + (" (valid positions)" if row["error_positions"] == "valid" else "")
+        lines.append(f"| {row['method']} | {row['seq']} | {row['median_ms']:.1f} | {row['p90_ms']:.1f} | "
+                     f"{row['valid_tokens_per_s']:,.0f} | "
+                     f"{'–' if speedup is None else f'{speedup:.2f}×'} | {error} |")
+    valid = {row["seq"]: row for row in record["rows"]}
+    footnote = "Valid tokens: " + ", ".join(
+        f"L {seq}: {row['valid_tokens']} of {row['padded_tokens']}" for seq, row in sorted(valid.items()))
+    return "\n\n".join([caption, "\n".join(lines), footnote])
+
+
+TABLE_HEADER = ("method", "median ms", "p90 ms", "valid tok/s", "padded tok/s", "vs eager",
+                "vs best peer", "TFLOP/s", "% peak", "error", "peak MiB")
+
+
+def _si(value):
+    for scale, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f}{unit}"
+    return f"{value:.0f}"
+
+
+def _optional(value, fmt):
+    return "–" if value is None else fmt.format(value)
+
+
+def _markdown_cells(row):
+    name = f"**{row['method']}**" if row["ours"] else row["method"]
+    if row["skipped"] is not None:
+        reason = row["skipped"].replace("|", "\\|")
+        return [name, f"skipped: {reason}"] + [""] * (len(TABLE_HEADER) - 2)
+    error = _optional(row["error"], "{:.1e}")
+    if row["training"] and row["error"] is not None:
+        error = "Δloss " + error
+    return [name, f"{row['median_ms']:.3f}", f"{row['p90_ms']:.3f}", _si(row["valid_tokens_per_s"]),
+            _si(row["padded_tokens_per_s"]), _optional(row["speedup_vs_eager"], "{:.2f}×"),
+            _optional(row["speedup_vs_best_peer"], "{:.2f}×"), f"{row['model_tflops']:.3g}",
+            f"{row['pct_of_matmul_peak']:.1f}", error, _optional(row["peak_memory_mib"], "{:,.0f}")]
+
+
+def _markdown_table(rows):
+    lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
+    lines += ["| " + " | ".join(_markdown_cells(row)) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _group_heading(rows):
+    first = rows[0]
+    what = ("training step (fwd + bwd + AdamW)" if first["training"] else "inference") + \
+        f", B{first['batch']} L{first['seq']}"
+    share = 100 * first["valid_tokens"] / first["padded_tokens"]
+    best = next((row for row in rows if row.get("best_peer")), None)
+    best_text = f"; best peer: {best['best_peer']}" if best else "; no peer ran"
+    return (f"**{first['preset']} · {first['dtype']} · {first['shape']}**: {what}, "
+            f"{first['valid_tokens']} of {first['padded_tokens']} tokens valid ({share:.0f}%){best_text}")
+
+
+def _caption(record):
+    env = record["environment"]
+    peaks = ", ".join(f"{p['dtype']} {p['tflops']:.3g} TFLOP/s ({p['n']}³)" for p in record["matmul_peaks"])
+    return (f"Measured on **{env['device_name']}** ({env['device']}), {record['date']}: torch {env['torch']}, "
+            f"triton {env['triton']}, CUDA {env['cuda']}, auto backend {env['auto_backend']}, "
+            f"extension {env['extension']}. Matmul peak in the same run: {peaks}.\n"
+            f"Command: `{' '.join(record['command'])}`")
+
+
+def _footnotes(record):
+    config = record["config"]
+    return "\n".join([
+        "Bold: bert_fast's methods. tok/s = tokens / median latency (valid: the sequences' lengths; "
+        "padded: B × L). vs best peer: against the fastest method that is not bert_fast's.",
+        f"TFLOP/s: {config['flop_formula']} % peak: of the matmul peak above.",
+        f"Error: {config['error']}. Peak MiB: torch.cuda.max_memory_allocated over one call.",
+        f"Timing: {config['timing']}. Training precision: {config['precision']}."])
+
+
+def group_key(row):
+    return row["preset"], row["dtype"], row["shape"]
+
+
+def groups(rows):
+    """The rows per (preset, dtype, shape), in the order the groups first appear."""
+    by_key = {}
+    for row in rows:
+        by_key.setdefault(group_key(row), []).append(row)
+    return list(by_key.values())
+
+
+def group_markdown(group):
+    return _group_heading(group) + "\n\n" + _markdown_table(group)
+
+
+def suite_record_markdown(record):
+    """A suite record as markdown: a caption naming the machine, a table per group, footnotes."""
+    return "\n\n".join([_caption(record), *(group_markdown(group) for group in groups(record["rows"])),
+                       _footnotes(record)])
+
+
+def format_markdown(records):
+    """Markdown of records of any kind, in order (``--table-from``)."""
+    parts = []
+    for record in records:
+        if is_suite_record(record):
+            parts.append(suite_record_markdown(record))
+        elif is_main_record(record):
+            parts.append(main_record_markdown(record))
+        else:
+            raise ValueError("--table-from reads records of `python -m bert_fast.bench --json` "
+                             "or `--suite gpu`; this file is neither")
+    return "\n\n".join(parts)
+
+
+def table_from_files(paths):
+    return format_markdown([load_json(path) for path in paths])
+
+
+# --------------------------------------------------------------------------- README
+
+README_BEGIN = "<!-- begin generated table: python -m bert_fast.bench --table-from RECORD ... --readme README.md -->"
+README_END = "<!-- end generated table -->"
+
+
+def replace_generated_table(text, markdown):
+    """``text`` with what lies between README_BEGIN and README_END replaced by ``markdown``."""
+    begin, end = text.find(README_BEGIN), text.find(README_END)
+    if begin < 0 or end < begin:
+        raise ValueError(f"no place for the table: the file needs the lines {README_BEGIN} and "
+                         f"{README_END}, in that order")
+    return f"{text[:begin + len(README_BEGIN)]}\n\n{markdown}\n\n{text[end:]}"
+
+
+# --------------------------------------------------------------------------- plots
+
+def figure_class():
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as error:
+        raise ImportError("plotting needs matplotlib: pip install matplotlib "
+                          "(or pip install 'bert_fast[plot]')") from error
+    return Figure
+
+
+def plot_speedup(records, path, labels=None):
+    """PNG of speedup vs eager against sequence length, one line per method (and per record).
+
+    ``labels`` name the records in the legend when several are drawn together.
+    """
+    Figure = figure_class()  # a Figure, not pyplot: no GUI backend, no global state
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.subplots()
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label=BASELINE)
+    seqs = set()
+    for index, record in enumerate(records):
+        suffix = f" ({labels[index]})" if labels and len(records) > 1 else ""
+        rows = [row for row in record["rows"] if row["skipped"] is None and row["method"] != BASELINE]
+        for method in dict.fromkeys(row["method"] for row in rows):
+            points = sorted((row["seq"], row["speedup_vs_eager"]) for row in rows
+                            if row["method"] == method)
+            seqs.update(seq for seq, _ in points)
+            ax.plot(*zip(*points), marker="o", label=method + suffix)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(seqs), [str(seq) for seq in sorted(seqs)])
+    ax.minorticks_off()
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("sequence length")
+    ax.set_ylabel("speedup vs eager (median latency)")
+    described = {_describe(record) for record in records}
+    ax.set_title(described.pop() if len(described) == 1 else "BERT encoder", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=120)
+
+
+def _describe(record):
+    config = record["config"]
+    return (f"BERT encoder, preset {config['preset']}, batch {config['batch']}, {config['dtype']}\n"
+            f"{record['environment']['device_name']}")
+
+
+def plot_from_json(paths, out_path):
+    """Plot one or more saved ``--json`` results (or ``--suite`` records) into one PNG."""
+    records = [load_json(path) for path in paths]
+    labels = [Path(path).stem for path in paths]
+    if any(is_suite_record(record) for record in records):
+        plot_suite(records, out_path, labels=labels)
+    else:
+        plot_speedup(records, out_path, labels=labels)
+
+
+def plot_suite(records, path, labels=None):
+    """PNG: per record, preset and dtype, speedup vs eager of every method on every shape."""
+    for record in records:
+        if not is_suite_record(record):
+            raise ValueError("plot_suite draws --suite records only; plot other records separately")
+    panels = [(index, preset, dtype) for index, record in enumerate(records)
+              for preset, dtype in dict.fromkeys((row["preset"], row["dtype"]) for row in record["rows"])]
+    Figure = figure_class()
+    fig = Figure(figsize=(10, 3.8 * len(panels)), layout="constrained")
+    axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
+    for ax, (index, preset, dtype) in zip(axes, panels):
+        rows = [row for row in records[index]["rows"] if row["preset"] == preset
+                and row["dtype"] == dtype and row["skipped"] is None and row["speedup_vs_eager"]]
+        _bars(ax, rows)
+        label = f" ({labels[index]})" if labels and len(records) > 1 else ""
+        ax.set_title(f"{preset} · {dtype} · {records[index]['environment']['device_name']}{label}",
+                     fontsize=10)
+    fig.savefig(path, dpi=120)
+
+
+def _bars(ax, rows):
+    """Grouped bars: a group per shape holding only that shape's methods (training has its own
+    methods), one colour per method across the groups."""
+    shapes = list(dict.fromkeys(row["shape"] for row in rows))
+    methods = list(dict.fromkeys(row["method"] for row in rows))
+    colors = {m: f"C{i}" if len(methods) <= 10 else _tab20(i) for i, m in enumerate(methods)}
+    per_shape = {shape: [row for row in rows if row["shape"] == shape] for shape in shapes}
+    width = 0.85 / max(len(group) for group in per_shape.values())
+    labelled = set()
+    for x, shape in enumerate(shapes):
+        group = per_shape[shape]
+        for offset, row in enumerate(group):
+            method = row["method"]
+            ax.bar(x + (offset - (len(group) - 1) / 2) * width, row["speedup_vs_eager"], width,
+                   color=colors[method], label=None if method in labelled else method)
+            labelled.add(method)
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    ax.set_xticks(range(len(shapes)), shapes)
+    ax.set_ylabel("speedup vs eager (median)")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7, ncols=3)
+
+
+def _tab20(index):
+    from matplotlib import colormaps
+    return colormaps["tab20"](index % 20)
+
+
