@@ -1,37 +1,256 @@
 """Per-kernel GPU numbers: ``python -m bert_fast.kernel_bench [--json PATH]`` (CUDA only).
 
-Times each op's forward and forward+backward with ``triton.testing.do_bench`` (median, and
-20th/80th percentiles), for our Triton backend next to the PyTorch path on the same inputs,
-and reports what fraction of the machine they reach:
+Times each op's forward and forward+backward, for our Triton backend next to the PyTorch path
+on the same inputs, and reports what fraction of the machine they reach:
   attention      TFLOP/s (dense-equivalent 4 B h L^2 d forward, 2.5x that backward, the
                  FlashAttention convention), next to SDPA with a boolean key mask and SDPA
                  without a mask (its flash kernel) on the same shapes;
   memory-bound   GB/s from the bytes the op must move, next to the device-to-device copy
-                 bandwidth measured in the same run; add_layernorm and embedding_sum also on
-                 the compiled extension's CUDA kernels (backend "cuda") when it is built.
+                 bandwidth measured the same way in the same run; add_layernorm and
+                 embedding_sum also on the compiled extension's CUDA kernels (backend "cuda")
+                 when it is built.
 Shapes follow the work item: attention at head dim 64, L 128 and 512, B 16, lengths averaging
 60% of L; add_layernorm, bias_act and embedding_sum at BERT-base and -large sizes.
+
+How times are taken (also written to the JSON's "timing" field). One call of these ops costs
+more host time (Python, autograd, the launcher) than GPU time, so timing single calls, as
+``triton.testing.do_bench`` does, measures the launch path. Each row therefore has two numbers:
+  GPU ms per call  WARMUP_CALLS eager calls on a side stream (Triton compiles and autotunes,
+                   cuBLAS initialises: none of that may be captured), then CALLS_PER_GRAPH
+                   back-to-back calls captured in one CUDA graph on that stream; the graph is
+                   replayed once untimed, then REPLAYS times between CUDA events; each replay
+                   gives its time / CALLS_PER_GRAPH; the row has the median and the 20th and
+                   80th percentiles. A fwd+bwd call sets the leaves' grads to None itself, so
+                   the reset is captured too. No L2 flush between calls: an op whose working
+                   set fits in L2 can read faster than the copy bandwidth.
+  host us per call HOST_CALLS back-to-back eager calls timed with time.perf_counter from an
+                   idle GPU to the last enqueue (before the synchronize), median of HOST_ROUNDS
+                   rounds; HOST_CALLS is small enough that the launch queue never fills, so
+                   this is the time the caller's thread spends per call.
+TFLOP/s, GB/s and % of copy come from the GPU time. A method whose capture (or replay) raises
+is timed with ``triton.testing.do_bench`` instead; its row says so in "note" and its figures
+then include the launch. A method that fails even eagerly gets a row with "error" and no
+figures; the run goes on.
 """
 
 import argparse
+import contextlib
 import datetime
+import gc
 import json
+import statistics
 import sys
+import time
 
 import torch
 from torch.nn import functional as F
 
 from . import extension, ops
+from .ops._triton import interpreting
+
+WARMUP_CALLS = 3
+CALLS_PER_GRAPH = 50
+REPLAYS = 20
+HOST_CALLS = 10
+HOST_ROUNDS = 7
 
 
-def _bench(fn):
+def timing_description():
+    """How the run took its times, with the counts in effect (the JSON's "timing" field)."""
+    return dict(
+        gpu=(f"GPU ms per call: {WARMUP_CALLS} eager warmup calls on a side stream, then "
+             f"{CALLS_PER_GRAPH} back-to-back calls captured in one CUDA graph on that stream, "
+             f"replayed once untimed and {REPLAYS} times between CUDA events; each replay's time / "
+             f"{CALLS_PER_GRAPH}; median (ms) and 20th/80th percentiles (ms_p20, ms_p80). fwd+bwd calls "
+             f"set the leaves' grads to None inside the graph. No L2 flush between calls."),
+        host=(f"host us per call: {HOST_CALLS} back-to-back eager calls timed with time.perf_counter "
+              f"from an idle GPU to the last enqueue (before synchronize), median of {HOST_ROUNDS} rounds."),
+        derived="TFLOP/s, GB/s and frac_of_copy from the GPU ms; the copy bandwidth is timed the same way.",
+        fallback=("timed_by 'do_bench': the capture or replay raised (see the row's note); ms is then "
+                  "triton.testing.do_bench around single calls and includes the launch."),
+        warmup_calls=WARMUP_CALLS, calls_per_graph=CALLS_PER_GRAPH, replays=REPLAYS,
+        host_calls=HOST_CALLS, host_rounds=HOST_ROUNDS, l2_flush=False)
+
+
+# ---- row arithmetic -------------------------------------------------------------------------
+
+def gbps(nbytes, ms):
+    """GB/s (1e9 bytes per second) for moving nbytes in ms milliseconds."""
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def tflops(flops, ms):
+    """TFLOP/s (1e12 per second) for flops operations in ms milliseconds."""
+    return flops / (ms * 1e-3) / 1e12
+
+
+def _percentiles(times_ms):
+    """(median, 20th, 80th percentile) of per-call times."""
+    if len(times_ms) == 1:
+        return times_ms[0], times_ms[0], times_ms[0]
+    deciles = statistics.quantiles(times_ms, n=10, method="inclusive")
+    return statistics.median(times_ms), deciles[1], deciles[7]
+
+
+def with_figures(row, *, flops=None, nbytes=None, copy_gbps=None):
+    """The row with tflops (from flops) or gbps and frac_of_copy (from nbytes) added, computed
+    from its GPU ms; None where the method produced no time."""
+    ms = row.get("ms")
+    if flops is not None:
+        row["tflops"] = None if ms is None else tflops(flops, ms)
+    if nbytes is not None:
+        row["bytes"] = nbytes
+        row["gbps"] = None if ms is None else gbps(nbytes, ms)
+        row["frac_of_copy"] = None if ms is None or not copy_gbps else row["gbps"] / copy_gbps
+    return row
+
+
+# ---- timing ---------------------------------------------------------------------------------
+
+def _sync():
+    torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def _gc_disabled():
+    """Python's cyclic GC off during a capture: it can finalise a Triton CompiledKernel, whose
+    destructor unloads a CUDA module, which invalidates the capture (triton-lang/triton#10712,
+    which made triton's own do_bench_cudagraph do the same)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _end_failed_capture(pool):
+    """Tell the caching allocator that a failed capture into ``pool`` is over.
+
+    Up to at least torch 2.11, CUDAGraph.capture_end raises on an invalidated capture before it
+    tells the allocator (pytorch/pytorch#180395); the allocator then believes a capture is still
+    under way and the next empty_cache(), which every torch.cuda.graph entry calls, fails an
+    internal assert: one uncapturable method would send every later one to do_bench. Where
+    capture_end did tell it, this call raises "not currently recording" and is ignored."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is not None:
+        try:
+            end(torch.cuda.current_device(), pool)
+        except Exception:
+            pass
+    try:
+        _sync()        # a non-sticky capture error is reported (and cleared) here, not by do_bench
+    except Exception:
+        pass
+
+
+def _graph_ms(fn, calls, replays):
+    """Per-call GPU ms of ``fn`` from CUDA-graph replays: a list with one value per replay.
+
+    Raises whatever the warmup, the capture or a replay raises (e.g. fn synchronises with the
+    host, which a capture cannot record)."""
+    _sync()                                        # inputs made on other streams are ready
+    stream = torch.cuda.Stream()
+    pool = torch.cuda.graph_pool_handle()
+    # Our own stream context around torch.cuda.graph's: when capture_end raises, graph's
+    # __exit__ never restores the caller's stream, this context still does.
+    with torch.cuda.stream(stream):
+        for _ in range(WARMUP_CALLS):
+            fn()
+        _sync()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with _gc_disabled(), torch.cuda.graph(graph, pool=pool, stream=stream):
+                for _ in range(calls):
+                    fn()
+        except Exception:
+            _end_failed_capture(pool)
+            raise
+        graph.replay()                             # the first launch uploads the graph
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(replays)]
+        for start, end in events:
+            start.record()
+            graph.replay()
+            end.record()
+        _sync()
+    return [start.elapsed_time(end) / calls for start, end in events]
+
+
+def _do_bench_ms(fn):
+    """(median, 20th, 80th percentile) ms of single calls, from triton.testing.do_bench."""
     from triton.testing import do_bench
-    median, low, high = do_bench(fn, quantiles=[0.5, 0.2, 0.8])
-    return dict(ms=median, ms_p20=low, ms_p80=high)
+    return tuple(do_bench(fn, quantiles=[0.5, 0.2, 0.8]))
+
+
+def _host_us_per_call(fn, calls=None, rounds=None):
+    """Microseconds the calling thread spends enqueuing one call (median over rounds)."""
+    calls, rounds = calls or HOST_CALLS, rounds or HOST_ROUNDS
+    per_call = []
+    for _ in range(rounds):
+        _sync()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_call.append((time.perf_counter() - start) / calls * 1e6)
+    _sync()
+    return statistics.median(per_call)
+
+
+def _one_line(error, limit=300):
+    """'Type: first line of the message'."""
+    text = (f"{type(error).__name__}: {error}".strip().splitlines() or [type(error).__name__])[0]
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _capture_failure(error):
+    """The capture error as one line, its first cause first: on an invalidated capture the
+    operation that broke it raises, then capture_end raises again while that is handled."""
+    chain = [error]
+    while chain[-1].__context__ is not None and chain[-1].__context__ not in chain and len(chain) < 8:
+        chain.append(chain[-1].__context__)
+    if len(chain) == 1:
+        return _one_line(error)
+    return f"{_one_line(chain[-1])}; then {_one_line(error)}"
+
+
+def measure(fn):
+    """Timing fields for one method: GPU ms per call (ms, ms_p20, ms_p80), host_us per call,
+    timed_by ("cuda graph" or "do_bench"), and note or error when something failed.
+
+    Never raises for a failing method: one that cannot be captured falls back to do_bench
+    (with a note); one that cannot run at all gets an error and no times."""
+    result = dict(ms=None, ms_p20=None, ms_p80=None, host_us=None, timed_by=None)
+    try:
+        fn()
+        _sync()
+    except Exception as error:                     # the method itself fails: nothing to time
+        result["error"] = f"failed eagerly: {_one_line(error)}"
+        return result
+    try:
+        times = _percentiles(_graph_ms(fn, CALLS_PER_GRAPH, REPLAYS))
+        result["timed_by"] = "cuda graph"
+    except Exception as capture_error:
+        result["note"] = (f"not capturable in a CUDA graph ({_capture_failure(capture_error)}); GPU ms from "
+                          f"triton.testing.do_bench around single calls, launch included")
+        try:
+            times = _do_bench_ms(fn)
+            result["timed_by"] = "do_bench"
+        except Exception as error:
+            result["error"] = f"do_bench failed too: {_one_line(error)}"
+            return result
+    result["ms"], result["ms_p20"], result["ms_p80"] = times
+    try:
+        result["host_us"] = _host_us_per_call(fn)
+    except Exception as error:
+        result["error"] = f"host timing failed: {_one_line(error)}"
+    return result
 
 
 def _fwd_bwd(forward, inputs):
-    """A callable running forward and backward (a fixed output gradient) on fresh graphs."""
+    """A callable running forward and backward (a fixed output gradient) on fresh graphs; the
+    grads are reset to None inside it, so a captured call captures the reset too."""
     out = forward()
     grad = torch.randn_like(out)
 
@@ -42,11 +261,14 @@ def _fwd_bwd(forward, inputs):
     return step
 
 
-def copy_bandwidth(device):
-    x = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+# ---- the rows -------------------------------------------------------------------------------
+
+def copy_bandwidth(device, nbytes=256 * 2**20):
+    """(GB/s, timing fields) of a device-to-device copy of nbytes (read + write counted)."""
+    x = torch.empty(nbytes, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
-    timing = _bench(lambda: y.copy_(x))
-    return 2 * x.numel() / (timing["ms"] * 1e-3) / 1e9
+    timing = with_figures(measure(lambda: y.copy_(x)), nbytes=2 * nbytes)
+    return timing["gbps"], timing
 
 
 def attention_rows(device, dtype, batch=16, head_dim=64, num_heads=12, seqlens=(128, 512), mean_frac=0.6):
@@ -76,23 +298,40 @@ def attention_rows(device, dtype, batch=16, head_dim=64, num_heads=12, seqlens=(
             "sdpa no mask (flash)": sdpa(None),
         }
         for name, forward in methods.items():
-            for direction, fn, flops in (("fwd", forward, dense_flops),
-                                         ("fwd+bwd", _fwd_bwd(forward, [qkv]), 3.5 * dense_flops)):
-                timing = _bench(fn)
-                rows.append(dict(op="attention", method=name, direction=direction, batch=batch,
-                                 seqlen=seqlen, head_dim=head_dim, num_heads=num_heads,
-                                 mean_valid_frac=float(valid_lens.float().mean() / seqlen),
-                                 tflops=flops / (timing["ms"] * 1e-3) / 1e12, **timing))
+            for direction, flops in (("fwd", dense_flops), ("fwd+bwd", 3.5 * dense_flops)):
+                row = dict(op="attention", method=name, direction=direction, batch=batch,
+                           seqlen=seqlen, head_dim=head_dim, num_heads=num_heads,
+                           mean_valid_frac=float(valid_lens.float().mean() / seqlen))
+                row.update(_measure_method(forward, [qkv], direction))
+                rows.append(with_figures(row, flops=flops))
     return rows
 
 
-def memory_bound_rows(device, dtype, copy_gbps, tokens=16 * 512):
+def _measure_method(forward, leaves, direction):
+    """measure() of forward alone or of a fwd+bwd step; building the step runs forward once,
+    so a forward that fails is reported in the row, not raised."""
+    if direction == "fwd":
+        return measure(forward)
+    try:
+        step = _fwd_bwd(forward, leaves)
+    except Exception as error:
+        return dict(ms=None, ms_p20=None, ms_p80=None, host_us=None, timed_by=None,
+                    error=f"failed eagerly: {_one_line(error)}")
+    return measure(step)
+
+
+MEMORY_BOUND_OPS = ("add_layernorm", "bias_act relu", "embedding_sum")
+
+
+def memory_bound_rows(device, dtype, copy_gbps, tokens=16 * 512, sizes=((768, 3072), (1024, 4096)),
+                      only=MEMORY_BOUND_OPS):
+    """Rows for the memory-bound ops in ``only``, at each (hidden, ffn) of ``sizes``."""
     rows = []
     e = torch.finfo(dtype).bits // 8
     # The compiled extension's CUDA ops too, where they are built (backend "cuda").
     with_ext = extension.load() and extension.has_cuda_kernels()
     backends = ("triton", "torch") + (("cuda",) if with_ext else ())
-    for hidden, ffn in ((768, 3072), (1024, 4096)):
+    for hidden, ffn in sizes:
         x = torch.randn(tokens, hidden, device=device, dtype=dtype, requires_grad=True)
         residual = torch.randn_like(x, requires_grad=True)
         weight = torch.ones(hidden, device=device, dtype=dtype, requires_grad=True)
@@ -118,41 +357,82 @@ def memory_bound_rows(device, dtype, copy_gbps, tokens=16 * 512):
                 [token_w, segment_w], 2 * tokens * hidden * e, 4 * tokens * hidden * e),
         }
         for op, (forwards, leaves, bytes_fwd, bytes_both) in cases.items():
+            if op not in only:
+                continue
             for backend, forward in forwards.items():
-                for direction, fn, nbytes in (("fwd", forward, bytes_fwd),
-                                              ("fwd+bwd", _fwd_bwd(forward, leaves), bytes_both)):
-                    timing = _bench(fn)
-                    gbps = nbytes / (timing["ms"] * 1e-3) / 1e9
-                    rows.append(dict(op=op, method=backend, direction=direction, tokens=tokens,
-                                     hidden=ffn if op.startswith("bias_act") else hidden, gbps=gbps,
-                                     frac_of_copy=gbps / copy_gbps, **timing))
+                for direction, nbytes in (("fwd", bytes_fwd), ("fwd+bwd", bytes_both)):
+                    row = dict(op=op, method=backend, direction=direction, tokens=tokens,
+                               hidden=ffn if op.startswith("bias_act") else hidden)
+                    row.update(_measure_method(forward, leaves, direction))
+                    rows.append(with_figures(row, nbytes=nbytes, copy_gbps=copy_gbps))
     return rows
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bert_fast.kernel_bench", description=__doc__.split("\n")[0])
+# ---- the command line -----------------------------------------------------------------------
+
+def format_row(row):
+    if row.get("tflops") is not None:
+        figure = f"{row['tflops']:7.1f} TFLOP/s"
+    elif row.get("gbps") is not None:
+        share = "" if row.get("frac_of_copy") is None else f" ({100 * row['frac_of_copy']:.0f}% of copy)"
+        figure = f"{row['gbps']:7.0f} GB/s{share}"
+    else:
+        figure = ""
+    shape = (f"B{row['batch']} L{row['seqlen']} hd{row['head_dim']}" if row["op"] == "attention"
+             else f"{row['tokens']}x{row['hidden']}")
+    gpu = "       - ms GPU" if row["ms"] is None else f"{row['ms']:8.4f} ms GPU"
+    host = "      - us host" if row["host_us"] is None else f"{row['host_us']:7.1f} us host"
+    line = f"{row['op']:<14} {row['direction']:<8} {shape:<16} {row['method']:<38} {gpu} {host}  {figure}"
+    for key in ("note", "error"):
+        if row.get(key):
+            line += f"\n{'':16}{key}: {row[key]}"
+    return line
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m bert_fast.kernel_bench",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
-    parser.add_argument("--json", metavar="PATH")
-    args = parser.parse_args(argv)
+    parser.add_argument("--json", metavar="PATH", help="also write the rows and run details to PATH")
+    return parser.parse_args(argv)
+
+
+def unavailable_reason():
+    """Why this process cannot take kernel timings, or None when it can."""
     if not torch.cuda.is_available():
-        sys.exit("kernel_bench needs a CUDA GPU (Triton kernels only run on the CPU in the "
-                 "interpreter, which says nothing about speed)")
+        return ("kernel_bench needs a CUDA GPU: it times compiled kernels in CUDA graphs, and on the "
+                "CPU Triton kernels only run in the interpreter, which says nothing about speed")
+    if interpreting():
+        return ("kernel_bench times compiled Triton kernels, but TRITON_INTERPRET=1 is set: "
+                "unset it and run again")
+    return None
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    reason = unavailable_reason()
+    if reason:
+        sys.exit(reason)
     import triton
     device, dtype = torch.device("cuda"), getattr(torch, args.dtype)
-    copy_gbps = copy_bandwidth(device)
+    copy_gbps, copy_timing = copy_bandwidth(device)
+    if copy_gbps is None:
+        sys.exit(f"kernel_bench could not time a device copy: {copy_timing.get('error')}")
+    name = torch.cuda.get_device_name(device)
+    print(f"{name}; torch {torch.__version__}, triton {triton.__version__}, {args.dtype}; "
+          f"device copy bandwidth {copy_gbps:.0f} GB/s")
+    if copy_timing.get("note"):
+        print(f"copy bandwidth: {copy_timing['note']}")
+    print(f"GPU ms: {CALLS_PER_GRAPH} calls in one CUDA graph, median of {REPLAYS} replays; "
+          f"host us: {HOST_CALLS} back-to-back eager calls, median of {HOST_ROUNDS} rounds", flush=True)
     rows = attention_rows(device, dtype) + memory_bound_rows(device, dtype, copy_gbps)
-    print(f"{torch.cuda.get_device_name(device)}; torch {torch.__version__}, triton {triton.__version__}, "
-          f"{args.dtype}; device copy bandwidth {copy_gbps:.0f} GB/s")
     for row in rows:
-        figure = f"{row['tflops']:7.1f} TFLOP/s" if "tflops" in row else \
-            f"{row['gbps']:7.0f} GB/s ({100 * row['frac_of_copy']:.0f}% of copy)"
-        shape = (f"B{row['batch']} L{row['seqlen']} hd{row['head_dim']}" if row["op"] == "attention"
-                 else f"{row['tokens']}x{row['hidden']}")
-        print(f"{row['op']:<14} {row['direction']:<8} {shape:<16} {row['method']:<38} {row['ms']:8.3f} ms  {figure}")
+        print(format_row(row))
     if args.json:
-        record = dict(device=torch.cuda.get_device_name(device), torch=torch.__version__,
-                      triton=triton.__version__, cuda=torch.version.cuda, dtype=args.dtype,
-                      command=list(sys.orig_argv), copy_gbps=copy_gbps,
+        record = dict(device=name, torch=torch.__version__, triton=triton.__version__,
+                      cuda=torch.version.cuda, dtype=args.dtype, command=list(sys.orig_argv),
+                      l2_cache_bytes=getattr(torch.cuda.get_device_properties(device), "L2_cache_size", None),
+                      timing=timing_description(), copy_gbps=copy_gbps, copy=copy_timing,
                       date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), rows=rows)
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(record, f, indent=2)
