@@ -221,8 +221,9 @@ def parse_args(argv=None):
                         help="only print these records (--json or --suite) as markdown tables (no "
                              "benchmark)")
     parser.add_argument("--readme", metavar="PATH",
-                        help="with --table-from: write the tables into this file between its "
-                             "generated-table markers instead of printing them")
+                        help="with --table-from: write the tables into this file, into the block "
+                             "of generated tables whose begin marker names these records (or its "
+                             "only block, if that marker names RECORD ...), instead of printing them")
     args = parser.parse_args(argv)
     if args.readme and not args.table_from:
         parser.error("--readme needs --table-from RECORD ...")
@@ -263,8 +264,9 @@ def main(argv=None):
             markdown = table_from_files(args.table_from)
             if args.readme:
                 readme = Path(args.readme)
-                readme.write_text(replace_generated_table(readme.read_text(encoding="utf-8"), markdown),
-                                  encoding="utf-8")
+                text = replace_generated_table(readme.read_text(encoding="utf-8"), markdown,
+                                               args.table_from, base_dir=readme.parent)
+                readme.write_text(text, encoding="utf-8")
                 print(f"wrote the tables of {', '.join(args.table_from)} into {args.readme}")
             else:
                 print(markdown)

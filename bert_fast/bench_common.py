@@ -10,20 +10,24 @@ no benchmark imports another.
                        Progress (the status line on stderr)
   records              environment_info (what every record carries), write_json, load_json
   reading records      format_markdown / table_from_files (``--table-from``) for every record
-                       kind, replace_generated_table (``--readme``), plot_from_json
+                       kind, replace_generated_table (``--readme``: the README block
+                       whose marker names the records), plot_from_json
                        (``--plot-from``), plot_speedup, plot_suite
 """
 
 import copy
+import itertools
 import json
 import math
 import os
 import platform
+import re
+import shlex
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -418,17 +422,77 @@ def table_from_files(paths):
 
 # --------------------------------------------------------------------------- README
 
-README_BEGIN = "<!-- begin generated table: python -m bert_fast.bench --table-from RECORD ... --readme README.md -->"
+# A README holds any number of blocks of generated tables. Each block's begin marker is the
+# command that fills it, so it names its records; ``--readme`` replaces only the block that
+# names the records it was given.
 README_END = "<!-- end generated table -->"
+_README_BEGIN_PATTERN = re.compile(r"<!-- begin generated table: (.*?) -->")
+_ANY_RECORDS = ("RECORD", "...")
 
 
-def replace_generated_table(text, markdown):
-    """``text`` with what lies between README_BEGIN and README_END replaced by ``markdown``."""
-    begin, end = text.find(README_BEGIN), text.find(README_END)
-    if begin < 0 or end < begin:
-        raise ValueError(f"no place for the table: the file needs the lines {README_BEGIN} and "
-                         f"{README_END}, in that order")
-    return f"{text[:begin + len(README_BEGIN)]}\n\n{markdown}\n\n{text[end:]}"
+def readme_begin_marker(record_paths, readme="README.md"):
+    """The line that opens the block of the tables of ``record_paths`` (paths as seen from the
+    README's folder)."""
+    return (f"<!-- begin generated table: python -m bert_fast.bench --table-from "
+            f"{' '.join(str(path) for path in record_paths)} --readme {readme} -->")
+
+
+# The marker of a README's only block, filled by whatever records (the form before blocks
+# named their records).
+README_BEGIN = readme_begin_marker(_ANY_RECORDS)
+
+
+class GeneratedBlock(NamedTuple):
+    begin: int                 # where its begin marker starts
+    tables: int                # where that marker ends (the tables start)
+    end: int                   # where its end marker starts
+    records: Optional[tuple]   # the record paths its marker names; None: README_BEGIN's "RECORD ..."
+
+
+def generated_blocks(text):
+    """The blocks of generated tables in ``text``, in order."""
+    blocks = []
+    for match in _README_BEGIN_PATTERN.finditer(text):
+        end = text.find(README_END, match.end())
+        following = _README_BEGIN_PATTERN.search(text, match.end())
+        if end < 0 or (following is not None and following.start() < end):
+            raise ValueError(f"the block opened by {match.group(0)} has no {README_END} before "
+                             f"the next block or the end of the file")
+        blocks.append(GeneratedBlock(match.start(), match.end(), end, _marker_records(match.group(1))))
+    return blocks
+
+
+def _marker_records(command):
+    words = shlex.split(command)
+    if "--table-from" not in words:
+        return ()
+    after = words[words.index("--table-from") + 1:]
+    records = tuple(itertools.takewhile(lambda word: not word.startswith("--"), after))
+    return None if records == _ANY_RECORDS else records
+
+
+def replace_generated_table(text, markdown, record_paths=None, base_dir="."):
+    """``text`` with the tables of the block(s) whose begin marker names ``record_paths`` (in
+    that order) replaced by ``markdown``; failing that, of its only block if that one's marker
+    is README_BEGIN. A marker's paths are relative to ``base_dir`` (the README's folder),
+    ``record_paths`` to the working directory."""
+    blocks = generated_blocks(text)
+    chosen = []
+    if record_paths is not None:
+        wanted = [Path(path).resolve() for path in record_paths]
+        chosen = [block for block in blocks if block.records is not None
+                  and [Path(base_dir, path).resolve() for path in block.records] == wanted]
+    if not chosen and len(blocks) == 1 and blocks[0].records is None:
+        chosen = blocks
+    if not chosen:
+        begin = README_BEGIN if record_paths is None else readme_begin_marker(record_paths)
+        named = "; ".join(" ".join(block.records) for block in blocks if block.records)
+        raise ValueError(f"no place for the tables: the file needs the lines {begin} and "
+                         f"{README_END}, in that order"
+                         + (f" (its blocks are for: {named})" if named else ""))
+    for block in reversed(chosen):     # from the last: the earlier offsets stay valid
+        text = f"{text[:block.tables]}\n\n{markdown}\n\n{text[block.end:]}"
+    return text
 
 
 # --------------------------------------------------------------------------- plots

@@ -233,3 +233,73 @@ def test_table_from_says_what_is_wrong(tmp_path):
         bench.main(["--table-from", str(other)])
     with pytest.raises(SystemExit):
         bench.parse_args(["--readme", str(readme)])      # --readme needs --table-from
+
+
+ROOT = Path(__file__).resolve().parent.parent
+H100_RECORDS = [ROOT / "benchmarks" / "results" / f"nvidia-h100-80gb-hbm3-2026-11-23-{part}-bf16.json"
+                for part in ("base", "train-latency")]
+
+
+def test_table_from_renders_the_h100_records(capsys):
+    bench.main(["--table-from", *map(str, H100_RECORDS)])
+    table = capsys.readouterr().out
+    assert table.count("Measured on **NVIDIA H100 80GB HBM3** (cuda)") == 2
+    assert "torch 2.11.0+cu130, triton 3.6.0, CUDA 13.0" in table
+    for shape in ("dense", "long", "mixed", "train", "latency"):
+        assert table.count(f"**base · bfloat16 · {shape}**") == 1
+    # Medians from the JSON: dense eager 12.998... ms, latency fast_cuda_graph 0.659... ms.
+    assert "| eager | 12.998 | 13.152 |" in table
+    assert "| **fast_cuda_graph** | 0.659 | 0.678 |" in table and "| 11.93× |" in table
+    assert "| **fast_compile_reduce_overhead** | skipped: InductorError: SubprocException" in table
+    for record in map(bench_common.load_json, H100_RECORDS):
+        for row in record["rows"]:
+            name = f"**{row['method']}**" if row["ours"] else row["method"]
+            cell = f"skipped: {row['skipped']}" if row["skipped"] else f"{row['median_ms']:.3f}"
+            assert f"| {name} | {cell} |" in table
+
+
+def test_readme_replaces_only_the_block_naming_the_records(tmp_path):
+    # Marker paths are relative to the README's folder; the command's, to the working directory.
+    (tmp_path / "results").mkdir()
+    h100 = []
+    for path in H100_RECORDS:
+        h100.append(tmp_path / "results" / path.name)
+        h100[-1].write_bytes(path.read_bytes())
+    cpu_begin = bench_common.readme_begin_marker([MAIN_JOB_RECORD])
+    h100_begin = bench_common.readme_begin_marker([f"results/{path.name}" for path in h100])
+    end = bench_common.README_END
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n\n{cpu_begin}\nold cpu\n{end}\n\nbetween\n\n{h100_begin}\nold h100\n{end}\nafter\n")
+    cpu_table = bench_common.table_from_files([MAIN_JOB_RECORD])
+    h100_table = bench_common.table_from_files(h100)
+
+    bench.main(["--table-from", *map(str, h100), "--readme", str(readme)])
+    assert readme.read_text() == (f"# title\n\n{cpu_begin}\nold cpu\n{end}\n\nbetween\n\n"
+                                  f"{h100_begin}\n\n{h100_table}\n\n{end}\nafter\n")
+    expected = (f"# title\n\n{cpu_begin}\n\n{cpu_table}\n\n{end}\n\nbetween\n\n"
+                f"{h100_begin}\n\n{h100_table}\n\n{end}\nafter\n")
+    for _ in range(2):      # rewriting is idempotent
+        bench.main(["--table-from", str(MAIN_JOB_RECORD), "--readme", str(readme)])
+        assert readme.read_text() == expected
+    # Records that no block names (one of the pair, or the pair reversed): no place, no change.
+    for records in ([h100[0]], h100[::-1]):
+        with pytest.raises(SystemExit, match="needs the lines"):
+            bench.main(["--table-from", *map(str, records), "--readme", str(readme)])
+        assert readme.read_text() == expected
+    assert [block.records for block in bench_common.generated_blocks(expected)] == [
+        (str(MAIN_JOB_RECORD),), tuple(f"results/{path.name}" for path in h100)]
+    unclosed = f"{bench_common.README_BEGIN}\n{h100_begin}\n{end}\n"
+    with pytest.raises(ValueError, match="has no"):
+        bench_common.replace_generated_table(unclosed, "table", h100)
+
+
+def test_the_readme_tables_are_those_of_their_records():
+    """Every generated block of README.md holds what --table-from makes of the records its
+    marker names (rerun the marker's command after changing a record or the table code)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    blocks = bench_common.generated_blocks(text)
+    assert len(blocks) >= 2
+    for block in blocks:
+        records = [ROOT / path for path in block.records]
+        assert text == bench_common.replace_generated_table(
+            text, bench_common.table_from_files(records), records, base_dir=ROOT), block.records
