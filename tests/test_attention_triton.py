@@ -480,7 +480,7 @@ def test_gpu_varlen_vs_torch_path(dtype):
 
 @needs_cuda
 def test_gpu_dropout_keep_rate_and_compile():
-    keep = _attention_dropout_keep_triton(4, 12, 512, 0.1, 42, "cuda")
+    keep = _attention_dropout_keep_triton(4, 12, 512, 0.1, seed_tensor(42, "cuda"))
     rate = keep.float().mean().item()
     assert abs(rate - 0.9) < 1e-3, f"keep rate {rate:.5f}, expected 0.9"
     qkv = random_qkv(2, 128, 4, 64, dtype=torch.float16, device="cuda")

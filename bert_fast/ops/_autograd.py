@@ -1,6 +1,44 @@
-"""What the ops' autograd registrations share."""
+"""What the ops' two call paths share: the eager thin path and the registered ops' autograd.
+
+Every fused op is reachable two ways (STYLE.md rule 2):
+
+* eager (what the modules run outside torch.compile): straight to the launcher when autograd
+  records nothing, else through a small ``torch.autograd.Function`` whose backward calls the
+  backward launcher. No ``torch.library`` dispatch per call: a custom op's Python autograd and
+  dispatch layers cost several times a plain Function (pytorch/pytorch#176592, #177109), which
+  on a GPU is more than the kernels of a BERT layer take (../shared/gpu-runs/h100-2026-11-23).
+* compiled: the registered op (``triton_op`` or the extension's ``TORCH_LIBRARY`` op) with its
+  fake kernel and ``register_autograd``, which torch.compile traces (``use_registered_op``).
+"""
+
+import functools
 
 import torch
+
+
+def use_registered_op():
+    """True while torch.compile traces: then the ops go through their registered form."""
+    return torch.compiler.is_compiling()
+
+
+def records_grad(*tensors):
+    """Whether autograd records an op on these tensors (grad mode on and one needs a grad)."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(t is not None and t.requires_grad for t in tensors)
+
+
+def below_autograd(op, *args):
+    """Call a registered op's device kernel directly, skipping its (Python) autograd kernel:
+    for the eager path, where autograd is handled by a Function or not needed at all. About
+    half the host time of a plain call of an extension op with a Python autograd formula."""
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
+
+
+def _double_backward_message(what, op_name):
+    return (f"double backward (create_graph=True, e.g. a gradient penalty) through {what} is not "
+            f"supported by bert_fast's fused kernels ({op_name}); backend='torch' supports it")
 
 
 def forbid_double_backward(op_name, what):
@@ -13,8 +51,44 @@ def forbid_double_backward(op_name, what):
     this (the backward runs without grad mode unless ``create_graph=True``).
     """
     def backward(ctx, *grads):
-        raise NotImplementedError(
-            f"double backward (create_graph=True, e.g. a gradient penalty) through {what} is not "
-            f"supported by bert_fast's fused kernels ({op_name}); backend='torch' supports it")
+        raise NotImplementedError(_double_backward_message(what, op_name))
 
     torch.library.register_autograd(op_name, backward, setup_context=lambda ctx, inputs, output: None)
+
+
+class _NoSecondDerivative(torch.autograd.Function):
+    """Passes gradients through; differentiating them again raises the clear error."""
+
+    @staticmethod
+    def forward(ctx, message, *grads):
+        ctx.message = message
+        return grads
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise NotImplementedError(ctx.message)
+
+
+def once_differentiable(what, op_name):
+    """Decorate a Function's backward that has no derivative of its own.
+
+    It runs without grad mode. Under ``create_graph=True`` its gradients come out attached to a
+    node that raises NotImplementedError if differentiated (as the registered ops' backward do,
+    see forbid_double_backward), instead of silently dropping second-order terms.
+    """
+    message = _double_backward_message(what, op_name)
+
+    def decorate(backward):
+        @functools.wraps(backward)
+        def wrapper(ctx, *grad_outputs):
+            with torch.no_grad():
+                grads = backward(ctx, *grad_outputs)
+            if not torch.is_grad_enabled():
+                return grads
+            tensors = [g for g in grads if isinstance(g, torch.Tensor)]
+            if not tensors:
+                return grads
+            attached = iter(_NoSecondDerivative.apply(message, *(g.detach().requires_grad_() for g in tensors)))
+            return tuple(next(attached) if isinstance(g, torch.Tensor) else g for g in grads)
+        return wrapper
+    return decorate

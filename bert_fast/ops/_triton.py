@@ -67,6 +67,18 @@ def launch(kernel):
     return torch.library.wrap_triton(kernel)
 
 
+def as_dtype(t, dtype):
+    """``t.to(dtype)`` without the dispatcher call when it would change nothing (None stays None):
+    the CPU kernels cast inputs to their compute dtype on every call."""
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def compute_dtype(dtype):
+    """The CPU kernels' arithmetic dtype: fp32, or fp64 for fp64 inputs (gradchecks). What
+    torch.promote_types(dtype, torch.float32) gives for float dtypes, without the call."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def as_rows(t, row_size):
     """``t`` as (rows, row_size) with unit stride along a row (a view when possible, else a copy)."""
     t = t.reshape(-1, row_size)

@@ -35,10 +35,10 @@ from torch.library import triton_op
 from torch.nn import functional as F
 
 from ..extension import require_extension
-from ._autograd import forbid_double_backward
+from ._autograd import below_autograd, forbid_double_backward, once_differentiable, records_grad, use_registered_op
 from ._philox import check_seed, dropout_keep, dropout_seed
-from ._triton import (as_rows, KERNEL_DTYPES, launch, reduction_programs, require_triton, tl, triton,
-                      uses_triton)
+from ._triton import (as_dtype, as_rows, compute_dtype, KERNEL_DTYPES, launch, reduction_programs,
+                      require_triton, tl, triton, uses_triton)
 
 # The whole row lives in registers (one tile row per normalised row).
 MAX_HIDDEN = 8192
@@ -265,54 +265,60 @@ def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, d
 
 
 def _dropout_keep_scale_cpu(x, seed, dropout_p, dtype):
-    """The CPU twins' dropout as a factor (0 or 1/(1-p)) for (rows, H) ``x``: the kernels'
-    mask, element (r, c) drawn with counter r * H + c."""
+    """The CPU twins' dropout as a factor (0 or 1/(1-p)) for ``x`` of shape (..., H): the
+    kernels' mask, element (r, c) of the flattened rows drawn with counter r * H + c."""
     offsets = torch.arange(x.numel(), dtype=torch.int64, device=x.device).view(x.shape)
     return dropout_keep(seed, dropout_p, offsets).to(dtype) * _keep_scale(dropout_p)
 
 
-def _stats_dtype(dtype):
-    # fp32 statistics, except that float64 inputs (gradcheck) keep float64.
-    return torch.promote_types(dtype, torch.float32)
+def _dropped_sum_cpu(x, residual, seed, dropout_p, acc):
+    """``residual + dropout(x)`` in the statistics dtype, and the dropout factor (or None)."""
+    keep_scale = _dropout_keep_scale_cpu(x, seed, dropout_p, acc) if dropout_p > 0.0 else None
+    x = as_dtype(x, acc)
+    return as_dtype(residual, acc) + (x if keep_scale is None else x * keep_scale), keep_scale
 
 
 def _add_layernorm_fwd_cpu(x, residual, weight, bias, eps, seed, dropout_p):
+    """The CPU kernel: one ``native_layer_norm`` over the fp32 (fp64) sum, as the Triton
+    kernel's math (statistics in fp32, output rounded once)."""
     _check_dropout_p(dropout_p)
     check_seed(seed, dropout_p, x.device)
-    acc, x_dtype, shape, hidden = _stats_dtype(x.dtype), x.dtype, x.shape, x.shape[-1]
-    x = x.reshape(-1, hidden).to(acc)
-    if dropout_p > 0.0:
-        x = x * _dropout_keep_scale_cpu(x, seed, dropout_p, acc)
-    s = residual.reshape(-1, hidden).to(acc) + x
-    var, mean = torch.var_mean(s, dim=-1, correction=0)
-    rstd = torch.rsqrt(var + eps)
-    out = (s - mean[:, None]) * rstd[:, None]
-    if weight is not None:
-        out = out * weight.to(acc)
-    if bias is not None:
-        out = out + bias.to(acc)
-    result = torch.empty(shape, dtype=x_dtype, device=out.device)   # not a view (see the Triton launcher)
-    result.view(-1, hidden).copy_(out)
-    return result, mean, rstd
+    acc = compute_dtype(x.dtype)
+    s, _ = _dropped_sum_cpu(x, residual, seed, dropout_p, acc)
+    out, mean, rstd = torch.native_layer_norm(s, x.shape[-1:], as_dtype(weight, acc), as_dtype(bias, acc), eps)
+    # native_layer_norm's output is a fresh contiguous tensor of x's shape (never a view, see
+    # the Triton launcher); its statistics are (..., 1).
+    return as_dtype(out, x.dtype), mean.reshape(-1), rstd.reshape(-1)
 
 
 def _add_layernorm_bwd_cpu(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias):
     _check_dropout_p(dropout_p)
     check_seed(seed, dropout_p, x.device)
-    acc = mean.dtype
-    hidden = x.shape[-1]
-    dy = grad_out.reshape(-1, hidden).to(acc)
-    x2 = x.reshape(-1, hidden).to(acc)
-    keep_scale = _dropout_keep_scale_cpu(x2, seed, dropout_p, acc) if dropout_p > 0.0 else None
-    s = residual.reshape(-1, hidden).to(acc) + (x2 * keep_scale if keep_scale is not None else x2)
-    x_hat = (s - mean[:, None]) * rstd[:, None]
-    d_x_hat = dy * weight.to(acc) if weight is not None else dy
-    d_sum = (d_x_hat - d_x_hat.mean(-1, keepdim=True)
-             - x_hat * (d_x_hat * x_hat).mean(-1, keepdim=True)) * rstd[:, None]
-    d_x = (d_sum * keep_scale).to(x.dtype).view(x.shape) if keep_scale is not None else x.new_empty(0)
-    d_weight = (dy * x_hat).sum(0).to(x.dtype) if weight is not None else x.new_empty(0)
-    d_bias = dy.sum(0).to(x.dtype) if has_bias else x.new_empty(0)
-    return d_sum.to(x.dtype).view(x.shape), d_x, d_weight, d_bias
+    acc, hidden = mean.dtype, x.shape[-1]
+    s, keep_scale = _dropped_sum_cpu(x, residual, seed, dropout_p, acc)
+    dy = as_dtype(grad_out, acc)
+    stats_shape = s.shape[:-1] + (1,)
+    d_sum, d_weight, _ = torch.ops.aten.native_layer_norm_backward(
+        dy, s, (hidden,), mean.view(stats_shape), rstd.view(stats_shape), as_dtype(weight, acc), None,
+        [True, weight is not None, False])
+    empty = lambda: x.new_empty(0)      # a distinct one per output: outputs must not alias
+    return (as_dtype(d_sum, x.dtype),
+            as_dtype(d_sum * keep_scale, x.dtype) if keep_scale is not None else empty(),
+            as_dtype(d_weight, x.dtype) if weight is not None else empty(),
+            as_dtype(dy.reshape(-1, hidden).sum(0), x.dtype) if has_bias else empty())
+
+
+def _add_layernorm_fwd(x, residual, weight, bias, eps, seed, dropout_p):
+    """The launcher for the inputs' device: the Triton kernel, or the CPU kernel."""
+    if x.device.type == "cpu":
+        return _add_layernorm_fwd_cpu(x, residual, weight, bias, eps, seed, dropout_p)
+    return _add_layernorm_fwd_triton(x, residual, weight, bias, eps, seed, dropout_p)
+
+
+def _add_layernorm_bwd(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias):
+    if x.device.type == "cpu":
+        return _add_layernorm_bwd_cpu(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias)
+    return _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias)
 
 
 @triton_op("bert_fast::add_layernorm_fwd", mutates_args=())
@@ -320,9 +326,7 @@ def add_layernorm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
                       bias: torch.Tensor | None, eps: float, seed: torch.Tensor | None,
                       dropout_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(LayerNorm(residual + dropout(x)), mean, rstd); dropout_p = 0 turns dropout off."""
-    if x.device.type == "cpu":
-        return _add_layernorm_fwd_cpu(x, residual, weight, bias, eps, seed, dropout_p)
-    return _add_layernorm_fwd_triton(x, residual, weight, bias, eps, seed, dropout_p)
+    return _add_layernorm_fwd(x, residual, weight, bias, eps, seed, dropout_p)
 
 
 @triton_op("bert_fast::add_layernorm_bwd", mutates_args=())
@@ -332,11 +336,7 @@ def add_layernorm_bwd(grad_out: torch.Tensor, x: torch.Tensor, residual: torch.T
                       dropout_p: float, has_bias: bool
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d_residual, d_x, d_weight, d_bias); see _add_layernorm_bwd_triton for the empty ones."""
-    if x.device.type == "cpu":
-        return _add_layernorm_bwd_cpu(grad_out, x, residual, weight, mean, rstd, seed, dropout_p,
-                                      has_bias)
-    return _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, dropout_p,
-                                     has_bias)
+    return _add_layernorm_bwd(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias)
 
 
 def _setup_context(ctx, inputs, output):
@@ -347,13 +347,17 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(mean, rstd)
 
 
-def _backward(ctx, grad_out, _grad_mean, _grad_rstd, backward_op=None):
-    x, residual, weight, mean, rstd, seed = ctx.saved_tensors
-    d_residual, d_x, d_weight, d_bias = (backward_op or add_layernorm_bwd)(
+def _input_grads(ctx, saved, backward_op, grad_out):
+    """(d_x, d_residual, d_weight, d_bias) of the forward's inputs, None where not differentiable."""
+    x, residual, weight, mean, rstd, seed = saved
+    d_residual, d_x, d_weight, d_bias = backward_op(
         grad_out, x, residual, weight, mean, rstd, seed, ctx.dropout_p, ctx.has_bias)
     return (d_x if ctx.dropout_p > 0.0 else d_residual, d_residual,
-            d_weight if weight is not None else None, d_bias if ctx.has_bias else None,
-            None, None, None)
+            d_weight if weight is not None else None, d_bias if ctx.has_bias else None)
+
+
+def _backward(ctx, grad_out, _grad_mean, _grad_rstd, backward_op=None):
+    return _input_grads(ctx, ctx.saved_tensors, backward_op or add_layernorm_bwd, grad_out) + (None,) * 3
 
 
 add_layernorm_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -370,7 +374,7 @@ def _ext_fwd_fake(x, residual, weight, bias, eps, seed, dropout_p):
     _check_dropout_p(dropout_p)
     check_seed(seed, dropout_p, x.device)
     rows = x.numel() // x.shape[-1]
-    stats_dtype = _stats_dtype(x.dtype)
+    stats_dtype = compute_dtype(x.dtype)
     return (x.new_empty(x.shape), x.new_empty(rows, dtype=stats_dtype), x.new_empty(rows, dtype=stats_dtype))
 
 
@@ -394,24 +398,55 @@ def register_extension_ops():
     forbid_double_backward("bert_fast::ext_add_layernorm_bwd", "add_layernorm")
 
 
+def _ext_fwd(*args):
+    return below_autograd(torch.ops.bert_fast.ext_add_layernorm_fwd, *args)
+
+
+def _ext_bwd(*args):
+    return below_autograd(torch.ops.bert_fast.ext_add_layernorm_bwd, *args)
+
+
+class _AddLayerNorm(torch.autograd.Function):
+    """The eager path under autograd: the forward and backward launchers (Triton or CPU kernel,
+    or the extension's), no custom-op dispatch."""
+
+    @staticmethod
+    def forward(ctx, forward_op, backward_op, x, residual, weight, bias, eps, seed, dropout_p):
+        out, mean, rstd = forward_op(x, residual, weight, bias, eps, seed, dropout_p)
+        ctx.save_for_backward(x, residual, weight, mean, rstd, seed)
+        ctx.backward_op, ctx.dropout_p, ctx.has_bias = backward_op, dropout_p, bias is not None
+        return out
+
+    @staticmethod
+    @once_differentiable("add_layernorm", "bert_fast::add_layernorm_bwd")
+    def backward(ctx, grad_out):
+        return (None, None, *_input_grads(ctx, ctx.saved_tensors, ctx.backward_op, grad_out), None, None, None)
+
+
 def add_layernorm(x, residual, weight, bias, eps=1e-5, dropout_p=0.0, training=False, *,
                   backend="torch"):
     """``LayerNorm(residual + dropout(x))`` over the last dim; weight/bias may be None.
 
-    backend="torch": F.dropout + F.layer_norm. backend="triton": the registered ops (Triton
-    kernels on CUDA, their PyTorch twins on CPU). backend="cuda": the compiled extension's op
-    (C++ on CPU, CUDA kernels on GPU). The triton and cuda backends draw the same dropout mask
-    (see _philox.py) from a seed drawn on the inputs' device, so ``torch.manual_seed`` makes a
-    run repeatable.
+    backend="torch": F.dropout + F.layer_norm. backend="triton": the fused kernel (Triton on
+    CUDA, one native_layer_norm over the fp32 sum on the CPU). backend="cuda": the compiled
+    extension's kernels (CUDA, or C++ on the CPU). Eager calls go straight to the launchers
+    (through _AddLayerNorm when autograd records); under torch.compile the registered ops. The
+    triton and cuda backends draw the same dropout mask (see _philox.py) from a seed drawn on
+    the inputs' device, so ``torch.manual_seed`` makes a run repeatable; no seed is drawn
+    without dropout.
     """
     if not uses_triton(backend):
         return _add_layernorm_torch(x, residual, weight, bias, eps, dropout_p, training)
     dropout_p = float(dropout_p) if training else 0.0
     seed = dropout_seed(dropout_p, x.device)
-    if backend == "cuda":
+    extension = backend == "cuda"
+    if extension:
         require_extension(x.device)
-        forward = torch.ops.bert_fast.ext_add_layernorm_fwd
-    else:
-        forward = add_layernorm_fwd
-    out, _mean, _rstd = forward(x, residual, weight, bias, float(eps), seed, dropout_p)
-    return out
+    args = (x, residual, weight, bias, float(eps), seed, dropout_p)
+    if use_registered_op():
+        forward = torch.ops.bert_fast.ext_add_layernorm_fwd if extension else add_layernorm_fwd
+        return forward(*args)[0]
+    forward, backward = (_ext_fwd, _ext_bwd) if extension else (_add_layernorm_fwd, _add_layernorm_bwd)
+    if records_grad(x, residual, weight, bias):
+        return _AddLayerNorm.apply(forward, backward, *args)
+    return forward(*args)[0]

@@ -52,16 +52,17 @@ from torch.library import triton_op
 from torch.nn import functional as F
 
 from ..reference import MASK_VALUE
-from ._autograd import forbid_double_backward
+from ._autograd import forbid_double_backward, once_differentiable, records_grad, use_registered_op
 from ._philox import check_seed, dropout_keep, dropout_seed
-from ._triton import interpreting, launch, require_triton, tl, triton, uses_triton
+from ._triton import as_dtype, compute_dtype, interpreting, launch, require_triton, tl, triton, uses_triton
 from .padding import pad, unpad
 
 
 def key_mask(valid_lens, num_queries, num_keys, device):
     """Boolean mask (True = attend) for SDPA, and the 0/1 factor for queries that see no key.
 
-    Returns ``(mask, query_keep)`` broadcastable to (B, heads, Lq, Lk) and (B, heads, Lq, d).
+    Returns ``(mask, query_keep)`` broadcastable to (B, heads, Lq, Lk) and (B, heads, Lq, d),
+    both bool (``q * query_keep`` keeps q's dtype).
     The comparison ``float32(j) < valid_len`` promotes exactly as the reference does.
     """
     keys = torch.arange(num_keys, dtype=torch.float32, device=device)
@@ -78,6 +79,52 @@ def key_mask(valid_lens, num_queries, num_keys, device):
     return mask, query_keep
 
 
+class KeyMask(NamedTuple):
+    """``valid_lens`` of a self-attention of length L in the form its path reads, made once per
+    encoder forward and shared by every layer (``prepare_key_mask``): the visible-key counts
+    for the kernels, or SDPA's mask and query factor (key_mask) for the PyTorch path."""
+    valid_lens: torch.Tensor
+    counts: torch.Tensor | None = None          # (B, L) int32, _visible_key_counts
+    sdpa_mask: torch.Tensor | None = None       # key_mask()[0]
+    query_keep: torch.Tensor | None = None      # key_mask()[1]
+
+
+def _launches_kernels(backend, device):
+    """Whether this backend's attention runs our Triton kernels (and reads visible-key counts)
+    for tensors on ``device``: on CUDA, outside torch.compile (which takes raw valid_lens)."""
+    return uses_triton(backend) and device.type != "cpu" and not use_registered_op()
+
+
+def prepare_key_mask(valid_lens, seqlen, backend="torch"):
+    """valid_lens (None, (B,) or (B, L)) as the KeyMask the backend's attention reads for
+    sequences of length ``seqlen``; a KeyMask or None is returned as it is."""
+    if valid_lens is None or isinstance(valid_lens, KeyMask):
+        return valid_lens
+    if _launches_kernels(backend, valid_lens.device):
+        return KeyMask(valid_lens, counts=_visible_key_counts(valid_lens, valid_lens.shape[0], seqlen))
+    if uses_triton(backend) and use_registered_op():
+        return KeyMask(valid_lens)      # the registered op takes valid_lens as it is
+    mask, query_keep = key_mask(valid_lens, seqlen, seqlen, valid_lens.device)
+    return KeyMask(valid_lens, sdpa_mask=mask, query_keep=query_keep)
+
+
+def _raw(valid_lens):
+    return valid_lens.valid_lens if isinstance(valid_lens, KeyMask) else valid_lens
+
+
+def _sdpa(q, k, v, valid_lens, dropout_p):
+    """SDPA on (B, heads, L, d) with the reference's masking rule (see the module docstring);
+    ``valid_lens``: None, raw or a KeyMask."""
+    mask = None
+    if valid_lens is not None:
+        if isinstance(valid_lens, KeyMask) and valid_lens.sdpa_mask is not None:
+            mask, query_keep = valid_lens.sdpa_mask, valid_lens.query_keep
+        else:
+            mask, query_keep = key_mask(_raw(valid_lens), q.shape[2], k.shape[2], q.device)
+        q = q * query_keep
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+
+
 def multi_head_attention(queries, keys, values, num_heads, valid_lens=None, dropout_p=0.0):
     """(B, Lq, H), (B, Lk, H), (B, Lk, H) -> (B, Lq, H), heads split and merged as the reference.
 
@@ -85,18 +132,19 @@ def multi_head_attention(queries, keys, values, num_heads, valid_lens=None, drop
     ``dropout_p`` acts on the attention weights; pass 0 in eval mode.
     """
     batch, num_queries, hidden = queries.shape
-    head_dim = hidden // num_heads
 
     def split_heads(x):
-        return x.unflatten(-1, (num_heads, head_dim)).transpose(1, 2)   # (B, heads, L, d)
+        return x.unflatten(-1, (num_heads, -1)).transpose(1, 2)   # (B, heads, L, d)
 
-    q, k, v = split_heads(queries), split_heads(keys), split_heads(values)
-    mask = None
-    if valid_lens is not None:
-        mask, query_keep = key_mask(valid_lens, num_queries, k.shape[2], q.device)
-        q = q * query_keep.to(q.dtype)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+    out = _sdpa(split_heads(queries), split_heads(keys), split_heads(values), valid_lens, dropout_p)
     return out.transpose(1, 2).reshape(batch, num_queries, hidden)
+
+
+def _packed_sdpa(qkv, num_heads, valid_lens, dropout_p):
+    """The PyTorch path on a packed (B, L, 3H) projection: one split into the three, SDPA."""
+    batch, seqlen, _ = qkv.shape
+    q, k, v = qkv.unflatten(-1, (3, num_heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)
+    return _sdpa(q, k, v, valid_lens, dropout_p).transpose(1, 2).reshape(batch, seqlen, -1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -534,7 +582,7 @@ def _visible_key_counts(valid_lens, batch, seqlen):
     Key j is visible iff float32(j) < valid_len, i.e. j < ceil(valid_len) for integer j; the
     ceil runs in the dtype the reference compares in (float32, or float64 for float64 lengths).
     """
-    lengths = valid_lens.to(torch.promote_types(valid_lens.dtype, torch.float32))
+    lengths = as_dtype(valid_lens, compute_dtype(valid_lens.dtype))
     counts = torch.ceil(lengths).nan_to_num(nan=0.0).clamp(0, seqlen).to(torch.int32)
     return counts[:, None].expand(batch, seqlen) if counts.dim() == 1 else counts
 
@@ -595,26 +643,32 @@ def _launch_bwd(grad_out, qkv, out, lse, dqkv, counts, cu_seqlens, batch, num_he
             num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
-def _attention_fwd_triton(qkv, valid_lens, num_heads, dropout_p, seed):
-    """(B, L, 3H) packed projection -> context (B, L, H) and fp64 LSE (B, heads, L)."""
+def _attention_fwd_triton(qkv, valid_lens, num_heads, dropout_p, seed, counts=None):
+    """(B, L, 3H) packed projection -> context (B, L, H) and fp64 LSE (B, heads, L).
+
+    ``counts``: _visible_key_counts(valid_lens, B, L) when the caller made it already (once per
+    encoder forward), else computed here.
+    """
     head_dim = _check_attention_inputs(qkv, valid_lens, num_heads, dropout_p, seed)
     require_triton(qkv, valid_lens)
     batch, seqlen, _ = qkv.shape
     out = qkv.new_empty(batch, seqlen, num_heads * head_dim)
     lse = torch.empty(batch, num_heads, seqlen, dtype=torch.float64, device=qkv.device)
-    counts = None if valid_lens is None else _visible_key_counts(valid_lens, batch, seqlen)
+    if counts is None and valid_lens is not None:
+        counts = _visible_key_counts(valid_lens, batch, seqlen)
     _launch_fwd(qkv, out, lse, counts, None, batch, num_heads, head_dim, seqlen, dropout_p, seed)
     return out, lse
 
 
-def _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed):
+def _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed, counts=None):
     """Gradient of the packed projection, (B, L, 3H), from the forward's context and LSE."""
     head_dim = _check_attention_inputs(qkv, valid_lens, num_heads, dropout_p, seed)
     batch, seqlen, _ = qkv.shape
     _check_bwd_inputs(grad_out, out, lse, qkv, num_heads, head_dim, (batch, num_heads, seqlen))
     require_triton(grad_out, qkv, out, lse, valid_lens)
     dqkv = torch.empty_like(qkv, memory_format=torch.contiguous_format)
-    counts = None if valid_lens is None else _visible_key_counts(valid_lens, batch, seqlen)
+    if counts is None and valid_lens is not None:
+        counts = _visible_key_counts(valid_lens, batch, seqlen)
     _launch_bwd(grad_out, qkv, out, lse, dqkv, counts, None, batch, num_heads, head_dim, seqlen,
                 dropout_p, seed)
     return dqkv
@@ -664,8 +718,7 @@ def _attention_dropout_keep_triton(batch, num_heads, max_seqlen, dropout_p, seed
 
 def _split_heads_cpu(qkv, num_heads):
     """(B, L, 3H) -> q, k, v each (B, heads, L, d), computed in at least fp32."""
-    compute_dtype = torch.promote_types(qkv.dtype, torch.float32)
-    return qkv.to(compute_dtype).unflatten(-1, (3, num_heads, -1)).permute(2, 0, 3, 1, 4)
+    return as_dtype(qkv, compute_dtype(qkv.dtype)).unflatten(-1, (3, num_heads, -1)).permute(2, 0, 3, 1, 4)
 
 
 def _merge_heads_cpu(x):
@@ -763,13 +816,36 @@ def _varlen_attention_bwd_cpu(grad_out, qkv, out, lse, cu_seqlens, num_heads, ma
 # Registered ops (CUDA: Triton kernels; CPU: the twins) and their autograd
 # ----------------------------------------------------------------------------------------------
 
+def _attention_fwd(qkv, valid_lens, num_heads, dropout_p, seed, counts=None):
+    """The launcher for qkv's device: the Triton kernel, or the CPU twin (explicit math)."""
+    if qkv.device.type == "cpu":
+        return _attention_fwd_cpu(qkv, valid_lens, num_heads, dropout_p, seed)
+    return _attention_fwd_triton(qkv, valid_lens, num_heads, dropout_p, seed, counts)
+
+
+def _attention_bwd(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed, counts=None):
+    if qkv.device.type == "cpu":
+        return _attention_bwd_cpu(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed)
+    return _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed, counts)
+
+
+def _varlen_attention_fwd(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed):
+    if qkv.device.type == "cpu":
+        return _varlen_attention_fwd_cpu(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
+    return _varlen_attention_fwd_triton(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
+
+
+def _varlen_attention_bwd(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed):
+    if qkv.device.type == "cpu":
+        return _varlen_attention_bwd_cpu(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
+    return _varlen_attention_bwd_triton(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
+
+
 @triton_op("bert_fast::attention_fwd", mutates_args=())
 def attention_fwd(qkv: torch.Tensor, valid_lens: torch.Tensor | None, num_heads: int, dropout_p: float,
                   seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Self-attention of a packed (B, L, 3H) projection -> (context (B, L, H), fp64 LSE (B, heads, L))."""
-    if qkv.device.type == "cpu":
-        return _attention_fwd_cpu(qkv, valid_lens, num_heads, dropout_p, seed)
-    return _attention_fwd_triton(qkv, valid_lens, num_heads, dropout_p, seed)
+    return _attention_fwd(qkv, valid_lens, num_heads, dropout_p, seed)
 
 
 @triton_op("bert_fast::attention_bwd", mutates_args=())
@@ -777,18 +853,14 @@ def attention_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, 
                   valid_lens: torch.Tensor | None, num_heads: int, dropout_p: float,
                   seed: torch.Tensor | None) -> torch.Tensor:
     """Gradient (B, L, 3H) of the packed projection."""
-    if qkv.device.type == "cpu":
-        return _attention_bwd_cpu(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed)
-    return _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed)
+    return _attention_bwd(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed)
 
 
 @triton_op("bert_fast::varlen_attention_fwd", mutates_args=())
 def varlen_attention_fwd(qkv: torch.Tensor, cu_seqlens: torch.Tensor, num_heads: int, max_seqlen: int,
                          dropout_p: float, seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Self-attention within each sequence of packed (N, 3H) tokens -> ((N, H), fp64 LSE (heads, N))."""
-    if qkv.device.type == "cpu":
-        return _varlen_attention_fwd_cpu(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
-    return _varlen_attention_fwd_triton(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
+    return _varlen_attention_fwd(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
 
 
 @triton_op("bert_fast::varlen_attention_bwd", mutates_args=())
@@ -796,9 +868,7 @@ def varlen_attention_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, out: torch.T
                          cu_seqlens: torch.Tensor, num_heads: int, max_seqlen: int, dropout_p: float,
                          seed: torch.Tensor | None) -> torch.Tensor:
     """Gradient (N, 3H) of the packed valid tokens' projection."""
-    if qkv.device.type == "cpu":
-        return _varlen_attention_bwd_cpu(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
-    return _varlen_attention_bwd_triton(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
+    return _varlen_attention_bwd(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
 
 
 def _attention_setup_context(ctx, inputs, output):
@@ -834,16 +904,63 @@ forbid_double_backward("bert_fast::attention_bwd", "attention")
 forbid_double_backward("bert_fast::varlen_attention_bwd", "attention (skip_padding)")
 
 
+class _Attention(torch.autograd.Function):
+    """The eager attention under autograd: the launchers, no custom-op dispatch. ``lengths``
+    is valid_lens (padded form, with its visible-key ``counts`` when made already) or
+    cu_seqlens (varlen form, ``max_seqlen`` set)."""
+
+    @staticmethod
+    def forward(ctx, qkv, lengths, counts, num_heads, max_seqlen, dropout_p, seed):
+        if max_seqlen is None:
+            out, lse = _attention_fwd(qkv, lengths, num_heads, dropout_p, seed, counts)
+        else:
+            out, lse = _varlen_attention_fwd(qkv, lengths, num_heads, max_seqlen, dropout_p, seed)
+        ctx.save_for_backward(qkv, lengths, counts, out, lse, seed)
+        ctx.num_heads, ctx.max_seqlen, ctx.dropout_p = num_heads, max_seqlen, dropout_p
+        return out
+
+    @staticmethod
+    @once_differentiable("attention", "bert_fast::attention_bwd")
+    def backward(ctx, grad_out):
+        qkv, lengths, counts, out, lse, seed = ctx.saved_tensors
+        if ctx.max_seqlen is None:
+            dqkv = _attention_bwd(grad_out, qkv, out, lse, lengths, ctx.num_heads, ctx.dropout_p, seed, counts)
+        else:
+            dqkv = _varlen_attention_bwd(grad_out, qkv, out, lse, lengths, ctx.num_heads, ctx.max_seqlen,
+                                         ctx.dropout_p, seed)
+        return dqkv, None, None, None, None, None, None
+
+
 # ----------------------------------------------------------------------------------------------
 # Public functions (what the modules call)
 # ----------------------------------------------------------------------------------------------
 
+def _runs_kernel(qkv, dropout_p):
+    """Eager triton/cuda backends: the Triton kernels on CUDA. On the CPU with dropout the twin
+    (explicit math, the kernels' Philox mask); without dropout the PyTorch path, the same
+    function at a fraction of the host time (no LSE, one SDPA call)."""
+    return qkv.device.type != "cpu" or dropout_p > 0.0
+
+
 def packed_self_attention(qkv, num_heads, valid_lens=None, dropout_p=0.0, *, backend="torch"):
-    """Self-attention reading Q, K, V straight from a (B, L, 3H) packed projection."""
-    if uses_triton(backend):
-        return attention_fwd(qkv, valid_lens, num_heads, float(dropout_p), dropout_seed(dropout_p, qkv.device))[0]
-    q, k, v = qkv.chunk(3, dim=-1)
-    return multi_head_attention(q, k, v, num_heads, valid_lens, dropout_p)
+    """Self-attention reading Q, K, V straight from a (B, L, 3H) packed projection.
+
+    ``valid_lens``: None, (B,), (B, L), or a KeyMask (prepare_key_mask: what an encoder makes
+    once for all its layers).
+    """
+    if not uses_triton(backend):
+        return _packed_sdpa(qkv, num_heads, valid_lens, dropout_p)
+    dropout_p = float(dropout_p)
+    seed = dropout_seed(dropout_p, qkv.device)
+    if use_registered_op():
+        return attention_fwd(qkv, _raw(valid_lens), num_heads, dropout_p, seed)[0]
+    if not _runs_kernel(qkv, dropout_p):
+        return _packed_sdpa(qkv, num_heads, valid_lens, 0.0)
+    counts = valid_lens.counts if isinstance(valid_lens, KeyMask) else None
+    valid_lens = _raw(valid_lens)
+    if records_grad(qkv):
+        return _Attention.apply(qkv, valid_lens, counts, num_heads, None, dropout_p, seed)
+    return _attention_fwd(qkv, valid_lens, num_heads, dropout_p, seed, counts)[0]
 
 
 def unpadded_self_attention(qkv, num_heads, unpadding, valid_lens, dropout_p=0.0, *,
@@ -853,14 +970,22 @@ def unpadded_self_attention(qkv, num_heads, unpadding, valid_lens, dropout_p=0.0
     Every query of a sequence is valid and sees exactly its sequence's valid keys, so each
     sequence is plain unmasked attention over its own tokens. The triton backend runs that as
     one varlen launch over ``unpadding.cu_seqlens``, bounded by the padded length (``valid_lens``
-    is already applied by the unpadding). On the torch backend, on the CPU we run it one SDPA
-    call per sequence (no padding copies, no masked work); elsewhere one call over the
-    re-padded (B, L) layout with the key mask keeps the launch count independent of B.
-    ``per_sequence`` forces one or the other (torch backend only).
+    is already applied by the unpadding). On the torch backend (and the CPU without dropout),
+    on the CPU we run it one SDPA call per sequence (no padding copies, no masked work);
+    elsewhere one call over the re-padded (B, L) layout with the key mask keeps the launch count
+    independent of B. ``per_sequence`` forces one or the other (torch backend only).
     """
     if uses_triton(backend):
-        return varlen_attention_fwd(qkv, unpadding.cu_seqlens, num_heads, unpadding.seqlen,
-                                    float(dropout_p), dropout_seed(dropout_p, qkv.device))[0]
+        dropout_p = float(dropout_p)
+        seed = dropout_seed(dropout_p, qkv.device)
+        args = (qkv, unpadding.cu_seqlens, num_heads, unpadding.seqlen, dropout_p, seed)
+        if use_registered_op():
+            return varlen_attention_fwd(*args)[0]
+        if _runs_kernel(qkv, dropout_p):
+            if records_grad(qkv):
+                return _Attention.apply(qkv, unpadding.cu_seqlens, None, num_heads, unpadding.seqlen,
+                                        dropout_p, seed)
+            return _varlen_attention_fwd(*args)[0]
     hidden = qkv.shape[-1] // 3
     if per_sequence is None:
         per_sequence = qkv.device.type == "cpu"

@@ -17,21 +17,25 @@ GEMM before it costs 2 rows K N FLOPs):
   GEMM, then one activation pass); the backward saves one read of d_h, which PyTorch's
   linear backward makes again to sum d_bias.
 
-The alternative to measure on a GPU, not done here and unmeasured: fuse bias + activation
-into the GEMM's epilogue so h never goes to memory (saving the 2 s bytes/elem forward pass) —
-either a Triton GEMM with an ``ACTIVATION`` epilogue applied to the fp32 accumulator (Triton
-tutorial 03), or cuBLASLt's fused epilogue through ``torch._addmm_activation(bias, x, W.t(),
-use_gelu=...)`` (ReLU, and GELU in its tanh form only). Whether a Triton GEMM matches cuBLAS on
-BERT's shapes is the open question; cuBLASLt also offers the backward's DGELU/BGRAD epilogues.
+The epilogue inside the GEMM (the default for ReLU, ``GEMM_EPILOGUE``): ``torch._addmm_activation``
+runs cuBLASLt's bias+ReLU epilogue on CUDA (one launch; the separate bias_act pass over the
+(rows, 3072) activation was 13% of the GPU time of a BERT-base forward at B128 L128 on an H100,
+../shared/gpu-runs/h100-2026-11-23/SUMMARY.md section 5) and addmm + relu in one call on the CPU.
+ReLU in the epilogue is exact (bias added to the fp32 accumulator, then max(0, .), rounded once).
+Its backward (``_LinearReLU``) masks the gradient with the saved output and runs the linear's
+GEMMs. GELU stays on GEMM + bias_act: cuBLASLt's GELU epilogue is the tanh form on CUDA while
+the same call computes the erf form on the CPU, and it keeps no pre-activation for the backward.
+Which of the two paths is faster per shape on a GPU is still to be measured; both are tested
+(``gemm_epilogue=`` picks one per call).
 """
 
 import torch
 from torch.library import triton_op
 from torch.nn import functional as F
 
-from ._autograd import forbid_double_backward
-from ._triton import (as_rows, KERNEL_DTYPES, launch, reduction_programs, require_triton,
-                      tl, triton, uses_triton)
+from ._autograd import forbid_double_backward, once_differentiable, records_grad, use_registered_op
+from ._triton import (as_dtype, as_rows, compute_dtype, KERNEL_DTYPES, launch, reduction_programs,
+                      require_triton, tl, triton, uses_triton)
 # Shared with add_layernorm: the dtypes the kernels take, the (rows, N) view the launchers
 # need, and the grid of a kernel that reduces over rows.
 
@@ -212,20 +216,16 @@ def _bias_act_bwd_triton(grad_out, saved, bias, activation):
     return d_h.view(saved.shape), d_bias
 
 
-def _compute_dtype(dtype):
-    return torch.promote_types(dtype, torch.float32)
-
-
 def _bias_act_fwd_cpu(h, bias, activation):
     _check_activation(activation)
-    z = h.to(_compute_dtype(h.dtype))
+    z = as_dtype(h, compute_dtype(h.dtype))
     if bias is not None:
-        z = z + bias.to(z.dtype)
+        z = z + as_dtype(bias, z.dtype)
     if activation == "relu":
         out = torch.relu(z)
     else:
         out = F.gelu(z, approximate="tanh" if activation == "gelu_tanh" else "none")
-    return out.to(h.dtype)
+    return as_dtype(out, h.dtype)
 
 
 def _gelu_grad_cpu(z, activation):
@@ -239,38 +239,54 @@ def _gelu_grad_cpu(z, activation):
 
 def _bias_act_bwd_cpu(grad_out, saved, bias, activation):
     _check_activation(activation)
-    acc = _compute_dtype(saved.dtype)
-    dy = grad_out.to(acc)
+    acc = compute_dtype(saved.dtype)
+    dy = as_dtype(grad_out, acc)
     if activation == "relu":
         d_z = torch.where(saved > 0, dy, 0.0)
     else:
-        z = saved.to(acc) + bias.to(acc) if bias is not None else saved.to(acc)
+        z = as_dtype(saved, acc)
+        if bias is not None:
+            z = z + as_dtype(bias, acc)
         d_z = dy * _gelu_grad_cpu(z, activation)
-    d_bias = (d_z.reshape(-1, saved.shape[-1]).sum(0).to(saved.dtype) if bias is not None
+    d_bias = (as_dtype(d_z.reshape(-1, saved.shape[-1]).sum(0), saved.dtype) if bias is not None
               else saved.new_empty(0))
-    return d_z.to(saved.dtype), d_bias
+    return as_dtype(d_z, saved.dtype), d_bias
+
+
+def _bias_act_fwd(h, bias, activation):
+    """The launcher for h's device: the Triton kernel, or the CPU kernel."""
+    if h.device.type == "cpu":
+        return _bias_act_fwd_cpu(h, bias, activation)
+    return _bias_act_fwd_triton(h, bias, activation)
+
+
+def _bias_act_bwd(grad_out, saved, bias, activation):
+    if saved.device.type == "cpu":
+        return _bias_act_bwd_cpu(grad_out, saved, bias, activation)
+    return _bias_act_bwd_triton(grad_out, saved, bias, activation)
 
 
 @triton_op("bert_fast::bias_act_fwd", mutates_args=())
 def bias_act_fwd(h: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
     """act(h + bias); bias may be None."""
-    if h.device.type == "cpu":
-        return _bias_act_fwd_cpu(h, bias, activation)
-    return _bias_act_fwd_triton(h, bias, activation)
+    return _bias_act_fwd(h, bias, activation)
 
 
 @triton_op("bert_fast::bias_act_bwd", mutates_args=())
 def bias_act_bwd(grad_out: torch.Tensor, saved: torch.Tensor, bias: torch.Tensor | None,
                  activation: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_h, d_bias) from the forward's output (relu) or input (gelu); d_bias empty if no bias."""
-    if saved.device.type == "cpu":
-        return _bias_act_bwd_cpu(grad_out, saved, bias, activation)
-    return _bias_act_bwd_triton(grad_out, saved, bias, activation)
+    return _bias_act_bwd(grad_out, saved, bias, activation)
+
+
+def _saved_for_backward(h, output, activation):
+    # ReLU's output says where h + b > 0; the GELUs recompute from their input.
+    return output if activation == "relu" else h
 
 
 def _setup_context(ctx, inputs, output):
     h, bias, activation = inputs
-    ctx.save_for_backward(output if activation == "relu" else h, bias)
+    ctx.save_for_backward(_saved_for_backward(h, output, activation), bias)
     ctx.activation = activation
 
 
@@ -284,13 +300,91 @@ bias_act_fwd.register_autograd(_backward, setup_context=_setup_context)
 forbid_double_backward("bert_fast::bias_act_bwd", "bias_act")
 
 
+class _BiasAct(torch.autograd.Function):
+    """The eager bias_act under autograd: the launchers, no custom-op dispatch."""
+
+    @staticmethod
+    def forward(ctx, h, bias, activation):
+        out = _bias_act_fwd(h, bias, activation)
+        ctx.save_for_backward(_saved_for_backward(h, out, activation), bias)
+        ctx.activation = activation
+        return out
+
+    @staticmethod
+    @once_differentiable("bias_act", "bert_fast::bias_act_bwd")
+    def backward(ctx, grad_out):
+        saved, bias = ctx.saved_tensors
+        d_h, d_bias = _bias_act_bwd(grad_out, saved, bias, ctx.activation)
+        return d_h, d_bias if bias is not None else None, None
+
+
 def bias_act(h, bias, activation="relu"):
-    """``act(h + bias)`` through the registered ops (Triton on CUDA, PyTorch twins on CPU)."""
-    return bias_act_fwd(h, bias, activation)
+    """``act(h + bias)``: the fused kernel (Triton on CUDA, PyTorch on the CPU); eager calls go
+    straight to it (through _BiasAct when autograd records), compiled ones through the op."""
+    if use_registered_op():
+        return bias_act_fwd(h, bias, activation)
+    if records_grad(h, bias):
+        return _BiasAct.apply(h, bias, activation)
+    return _bias_act_fwd(h, bias, activation)
 
 
-def linear_act(x, weight, bias, activation="relu", *, backend="torch"):
-    """``act(x @ weight^T + bias)``; see the module docstring for the two backends."""
+# Bias + ReLU inside the GEMM (see the module docstring); False: GEMM, then the bias_act kernel.
+GEMM_EPILOGUE = True
+
+
+def _linear_relu_epilogue(x, weight, bias):
+    """relu(x @ weight^T + bias) in one GEMM with a fused epilogue, shaped x.shape[:-1] + (N,).
+
+    Written through ``out=`` into a tensor of the final shape: an output that is a view (of the
+    2-D GEMM result) could not be edited in place under autograd.
+    """
+    out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
+    torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t(), out=out.view(-1, weight.shape[0]))
+    return out
+
+
+class _LinearReLU(torch.autograd.Function):
+    """relu(x W^T + b) through the GEMM epilogue; the backward masks the gradient with the
+    saved output (out > 0 exactly where the pre-activation is) and runs the linear's GEMMs."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        out = _linear_relu_epilogue(x, weight, bias)
+        ctx.save_for_backward(x, weight, out)
+        return out
+
+    @staticmethod
+    @once_differentiable("linear + relu", "aten::_addmm_activation")
+    def backward(ctx, grad_out):
+        x, weight, out = ctx.saved_tensors
+        d_z = torch.ops.aten.threshold_backward(grad_out, out, 0).reshape(-1, out.shape[-1])
+        need_x, need_weight, need_bias = ctx.needs_input_grad
+        return ((d_z @ weight).view(x.shape) if need_x else None,
+                d_z.t() @ x.reshape(-1, x.shape[-1]) if need_weight else None,
+                d_z.sum(0) if need_bias else None)
+
+
+def linear_act(x, weight, bias, activation="relu", *, backend="torch", gemm_epilogue=None):
+    """``act(x @ weight^T + bias)``; see the module docstring for the paths.
+
+    ReLU with a bias runs in the GEMM's epilogue (``gemm_epilogue``, default GEMM_EPILOGUE; on
+    backend="torch" only where autograd records nothing). Otherwise backend="torch": F.linear,
+    then the activation; other backends: the GEMM without bias, then the fused bias_act kernel. Eager calls launch directly (autograd through _LinearReLU /
+    _BiasAct); torch.compile sees F.linear and the registered bias_act op.
+    """
+    _check_activation(activation)
+    compiling = use_registered_op()
+    epilogue = (GEMM_EPILOGUE if gemm_epilogue is None else gemm_epilogue) and activation == "relu" \
+        and bias is not None and not compiling
+    recorded = records_grad(x, weight, bias)
+    if epilogue and not recorded:
+        # Nothing records this output, so it may be a view of the 2-D GEMM result.
+        out = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t())
+        return out.view(*x.shape[:-1], weight.shape[0])
     if not uses_triton(backend):
         return _linear_act_torch(x, weight, bias, activation)
+    if compiling:
+        return bias_act_fwd(F.linear(x, weight), bias, activation)
+    if epilogue:
+        return _LinearReLU.apply(x, weight, bias)
     return bias_act(F.linear(x, weight), bias, activation)

@@ -55,8 +55,8 @@ from torch.library import triton_op
 from torch.nn import functional as F
 
 from ..extension import require_extension
-from ._autograd import forbid_double_backward
-from ._triton import KERNEL_DTYPES, launch, require_triton, tl, triton, uses_triton
+from ._autograd import below_autograd, forbid_double_backward, once_differentiable, records_grad, use_registered_op
+from ._triton import KERNEL_DTYPES, as_dtype, compute_dtype, launch, require_triton, tl, triton, uses_triton
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -416,19 +416,17 @@ def _embedding_sum_bwd_triton(grad_out, tokens, segments, positions, n_tokens, n
     return token_grad, segment_grad, pos_grad
 
 
-def _acc_dtype(dtype):
-    # fp32 sums, except that float64 tables (gradcheck) keep float64.
-    return torch.promote_types(dtype, torch.float32)
-
-
 def _embedding_sum_fwd_cpu(tokens, segments, token_weight, segment_weight, pos_weight, positions):
+    """The CPU kernel: three lookups summed in fp32 (fp64 tables: fp64). F.embedding, not
+    indexing: a negative id is an error, never a row counted from the end."""
     _check_fwd_inputs(tokens, segments, token_weight, segment_weight, pos_weight, positions)
-    acc = _acc_dtype(token_weight.dtype)
-    pos_table = pos_weight[0]
-    pos = pos_table[: tokens.shape[-1]] if positions is None else pos_table[positions]
-    # Contiguous like the launcher's output, whatever the strides of the ids.
-    out = token_weight[tokens.contiguous()].to(acc) + segment_weight[segments.contiguous()].to(acc) + pos.to(acc)
-    return out.to(token_weight.dtype)
+    dtype = token_weight.dtype
+    acc = compute_dtype(dtype)
+    pos = pos_weight[0, : tokens.shape[-1]] if positions is None else F.embedding(positions, pos_weight[0])
+    # A fresh contiguous tensor of tokens.shape + (H,) whatever the ids' strides; summed in place.
+    out = as_dtype(F.embedding(tokens, token_weight), acc)
+    out.add_(as_dtype(F.embedding(segments, segment_weight), acc)).add_(as_dtype(pos, acc))
+    return as_dtype(out, dtype)
 
 
 def _embedding_sum_bwd_cpu(grad_out, tokens, segments, positions, n_tokens, n_segments, max_len,
@@ -436,11 +434,11 @@ def _embedding_sum_bwd_cpu(grad_out, tokens, segments, positions, n_tokens, n_se
     # index_add_ on the CPU is deterministic, so `deterministic` changes nothing here.
     _check_bwd_inputs(grad_out, tokens, segments, positions, n_tokens, n_segments, max_len)
     dtype, hidden = grad_out.dtype, grad_out.shape[-1]
-    acc = _acc_dtype(dtype)
-    grad_rows = grad_out.reshape(-1, hidden).to(acc)
+    acc = compute_dtype(dtype)
+    grad_rows = as_dtype(grad_out.reshape(-1, hidden), acc)
 
     def scatter(ids, rows):
-        return grad_rows.new_zeros(rows, hidden).index_add_(0, ids.reshape(-1), grad_rows).to(dtype)
+        return as_dtype(grad_rows.new_zeros(rows, hidden).index_add_(0, ids.reshape(-1), grad_rows), dtype)
 
     token_grad, segment_grad = scatter(tokens, n_tokens), scatter(segments, n_segments)
     if not learn_pos_embedding:
@@ -449,8 +447,24 @@ def _embedding_sum_bwd_cpu(grad_out, tokens, segments, positions, n_tokens, n_se
         pos_grad = scatter(positions, max_len).view(1, max_len, hidden)
     else:
         pos_grad = grad_out.new_zeros(1, max_len, hidden)
-        pos_grad[0, : tokens.shape[1]] = grad_out.to(acc).sum(0).to(dtype)
+        pos_grad[0, : tokens.shape[1]] = as_dtype(as_dtype(grad_out, acc).sum(0), dtype)
     return token_grad, segment_grad, pos_grad
+
+
+def _embedding_sum_fwd(tokens, segments, token_weight, segment_weight, pos_weight, positions):
+    """The launcher for the tables' device: the Triton kernel, or the CPU kernel."""
+    if token_weight.device.type == "cpu":
+        return _embedding_sum_fwd_cpu(tokens, segments, token_weight, segment_weight, pos_weight, positions)
+    return _embedding_sum_fwd_triton(tokens, segments, token_weight, segment_weight, pos_weight, positions)
+
+
+def _embedding_sum_bwd(grad_out, tokens, segments, positions, n_tokens, n_segments, max_len,
+                       learn_pos_embedding, deterministic):
+    if grad_out.device.type == "cpu":
+        return _embedding_sum_bwd_cpu(grad_out, tokens, segments, positions, n_tokens, n_segments,
+                                      max_len, learn_pos_embedding, deterministic)
+    return _embedding_sum_bwd_triton(grad_out, tokens, segments, positions, n_tokens, n_segments,
+                                     max_len, learn_pos_embedding, deterministic)
 
 
 @triton_op("bert_fast::embedding_sum_fwd", mutates_args=())
@@ -461,11 +475,7 @@ def embedding_sum_fwd(tokens: torch.Tensor, segments: torch.Tensor, token_weight
 
     ``deterministic`` only reaches the backward (the forward has no reduction).
     """
-    if token_weight.device.type == "cpu":
-        return _embedding_sum_fwd_cpu(tokens, segments, token_weight, segment_weight, pos_weight,
-                                      positions)
-    return _embedding_sum_fwd_triton(tokens, segments, token_weight, segment_weight, pos_weight,
-                                     positions)
+    return _embedding_sum_fwd(tokens, segments, token_weight, segment_weight, pos_weight, positions)
 
 
 @triton_op("bert_fast::embedding_sum_bwd", mutates_args=())
@@ -474,11 +484,8 @@ def embedding_sum_bwd(grad_out: torch.Tensor, tokens: torch.Tensor, segments: to
                       learn_pos_embedding: bool, deterministic: bool
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(token_grad, segment_grad, pos_grad); pos_grad is empty unless learn_pos_embedding."""
-    if grad_out.device.type == "cpu":
-        return _embedding_sum_bwd_cpu(grad_out, tokens, segments, positions, n_tokens, n_segments,
-                                      max_len, learn_pos_embedding, deterministic)
-    return _embedding_sum_bwd_triton(grad_out, tokens, segments, positions, n_tokens, n_segments,
-                                     max_len, learn_pos_embedding, deterministic)
+    return _embedding_sum_bwd(grad_out, tokens, segments, positions, n_tokens, n_segments, max_len,
+                              learn_pos_embedding, deterministic)
 
 
 def _setup_context(ctx, inputs, output):
@@ -488,15 +495,22 @@ def _setup_context(ctx, inputs, output):
     ctx.deterministic = deterministic
 
 
-def _backward(ctx, grad_out):
+def _table_grads(ctx, backward_op, grad_out, needed):
+    """(token_grad, segment_grad, pos_grad), None for the tables that need none (``needed``:
+    ctx.needs_input_grad of the three tables). The position gradient is computed only when that
+    table requires grad: embedding_sum passes it detached unless learn_pos_embedding."""
     tokens, segments, positions = ctx.saved_tensors
-    _, _, token_needed, segment_needed, pos_needed, _, _ = ctx.needs_input_grad
-    # The position gradient is computed only when the table requires grad: embedding_sum
-    # passes it detached unless learn_pos_embedding.
-    token_grad, segment_grad, pos_grad = embedding_sum_bwd(
-        grad_out, tokens, segments, positions, *ctx.table_rows, pos_needed, ctx.deterministic)
-    return (None, None, token_grad if token_needed else None,
-            segment_grad if segment_needed else None, pos_grad if pos_needed else None, None, None)
+    token_needed, segment_needed, pos_needed = needed
+    token_grad, segment_grad, pos_grad = backward_op(grad_out, tokens, segments, positions, *ctx.table_rows,
+                                                     pos_needed)
+    return (token_grad if token_needed else None, segment_grad if segment_needed else None,
+            pos_grad if pos_needed else None)
+
+
+def _backward(ctx, grad_out):
+    def backward_op(*args):
+        return embedding_sum_bwd(*args, ctx.deterministic)
+    return (None, None, *_table_grads(ctx, backward_op, grad_out, ctx.needs_input_grad[2:5]), None, None)
 
 
 embedding_sum_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -525,12 +539,8 @@ def _ext_setup_context(ctx, inputs, output):
 
 
 def _ext_backward(ctx, grad_out):
-    tokens, segments, positions = ctx.saved_tensors
-    _, _, token_needed, segment_needed, pos_needed, _ = ctx.needs_input_grad
-    token_grad, segment_grad, pos_grad = torch.ops.bert_fast.ext_embedding_sum_bwd(
-        grad_out, tokens, segments, positions, *ctx.table_rows, pos_needed)
-    return (None, None, token_grad if token_needed else None,
-            segment_grad if segment_needed else None, pos_grad if pos_needed else None, None)
+    return (None, None, *_table_grads(ctx, torch.ops.bert_fast.ext_embedding_sum_bwd, grad_out,
+                                      ctx.needs_input_grad[2:5]), None)
 
 
 def register_extension_ops():
@@ -542,27 +552,70 @@ def register_extension_ops():
     forbid_double_backward("bert_fast::ext_embedding_sum_bwd", "embedding_sum")
 
 
+class _EmbeddingSum(torch.autograd.Function):
+    """The eager embedding_sum under autograd: the launchers (Triton or CPU kernel, or the
+    extension's), no custom-op dispatch. ``backward_op`` takes the ext op's arguments."""
+
+    @staticmethod
+    def forward(ctx, forward_op, backward_op, tokens, segments, token_weight, segment_weight, pos_weight,
+                positions):
+        ctx.save_for_backward(tokens, segments, positions)
+        ctx.table_rows = (token_weight.shape[0], segment_weight.shape[0], pos_weight.shape[1])
+        ctx.backward_op = backward_op
+        return forward_op(tokens, segments, token_weight, segment_weight, pos_weight, positions)
+
+    @staticmethod
+    @once_differentiable("embedding_sum", "bert_fast::embedding_sum_bwd")
+    def backward(ctx, grad_out):
+        return (None,) * 4 + _table_grads(ctx, ctx.backward_op, grad_out, ctx.needs_input_grad[4:7]) + (None,)
+
+
+def _ext_fwd(*args):
+    return below_autograd(torch.ops.bert_fast.ext_embedding_sum_fwd, *args)
+
+
+def _ext_bwd(*args):
+    return below_autograd(torch.ops.bert_fast.ext_embedding_sum_bwd, *args)
+
+
+def _triton_bwd(*args):
+    return _embedding_sum_bwd(*args, False)
+
+
+def _triton_bwd_deterministic(*args):
+    return _embedding_sum_bwd(*args, True)
+
+
 def embedding_sum(tokens, segments, token_weight, segment_weight, pos_weight, *,
                   positions=None, learn_pos_embedding=False, backend="torch", deterministic=False):
     """``token_weight[tokens] + segment_weight[segments] + pos_weight[0, position]``.
 
     Padded (B, L) tokens read position j at column j; packed (N,) tokens need ``positions``.
     No gradient reaches ``pos_weight`` unless ``learn_pos_embedding`` (the reference's quirk).
-    backend="torch": F.embedding lookups. backend="triton": the registered ops (Triton kernels
-    on CUDA, their PyTorch twins on CPU); ``deterministic=True`` makes its backward use a
-    sort-based reduction instead of atomics, so two runs give the same bits. backend="cuda":
-    the compiled extension's op (C++ on CPU, CUDA kernels on GPU); its CUDA backward uses
-    atomics, so there ``deterministic=True`` runs the triton op instead. (The torch backend
-    ignores ``deterministic``: it follows torch.use_deterministic_algorithms.)
+    backend="torch": F.embedding lookups. backend="triton": the fused kernel (Triton on CUDA,
+    PyTorch on the CPU); ``deterministic=True`` makes its backward use a sort-based reduction
+    instead of atomics, so two runs give the same bits. backend="cuda": the compiled extension's
+    kernels (CUDA, or C++ on the CPU); its CUDA backward uses atomics, so there
+    ``deterministic=True`` runs the triton kernels instead. (The torch backend ignores
+    ``deterministic``: it follows torch.use_deterministic_algorithms.) Eager calls go straight
+    to the launchers (through _EmbeddingSum when autograd records); under torch.compile the
+    registered ops.
     """
     if not uses_triton(backend):
         return _embedding_sum_torch(tokens, segments, token_weight, segment_weight, pos_weight,
                                     positions, learn_pos_embedding)
     if not learn_pos_embedding:
         pos_weight = pos_weight.detach()
-    if backend == "cuda" and not (deterministic and token_weight.device.type == "cuda"):
+    extension = backend == "cuda" and not (deterministic and token_weight.device.type == "cuda")
+    if extension:
         require_extension(token_weight.device)
-        return torch.ops.bert_fast.ext_embedding_sum_fwd(tokens, segments, token_weight, segment_weight,
-                                                         pos_weight, positions)
-    return embedding_sum_fwd(tokens, segments, token_weight, segment_weight, pos_weight, positions,
-                             bool(deterministic))
+    tables = (token_weight, segment_weight, pos_weight)
+    if use_registered_op():
+        if extension:
+            return torch.ops.bert_fast.ext_embedding_sum_fwd(tokens, segments, *tables, positions)
+        return embedding_sum_fwd(tokens, segments, *tables, positions, bool(deterministic))
+    forward = _ext_fwd if extension else _embedding_sum_fwd
+    if records_grad(*tables):
+        backward = _ext_bwd if extension else _triton_bwd_deterministic if deterministic else _triton_bwd
+        return _EmbeddingSum.apply(forward, backward, tokens, segments, *tables, positions)
+    return forward(tokens, segments, *tables, positions)
