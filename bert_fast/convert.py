@@ -77,6 +77,8 @@ def _adopt_block(fast, blk):
         setattr(fast.attention, name, getattr(blk.attention, name))
     fast.addnorm1.ln, fast.addnorm2.ln = blk.addnorm1.ln, blk.addnorm2.ln
     fast.ffn.dense1, fast.ffn.dense2 = blk.ffn.dense1, blk.ffn.dense2
+    # The adopted W_q/W_k/W_v move into one buffer (same Parameter objects, same values).
+    fast.attention.pack_qkv_()
     fast.train(blk.training)
     return fast
 
@@ -143,7 +145,9 @@ def _swap(module, backend, skip_padding, path):
 def optimize(model, backend=None, *, skip_padding=False):
     """Swap every reference-style BERTEncoder / EncoderBlock in ``model`` for a fast one.
 
-    Parameters are shared, not copied. ``skip_padding`` applies to swapped encoders (see
+    Parameters are shared, not copied: the fast modules hold the very same Parameter objects
+    (W_q, W_k and W_v of each block move into one buffer in place, see
+    FastMultiHeadAttention.pack_qkv_; their values and the state_dict are unchanged). ``skip_padding`` applies to swapped encoders (see
     FastBERTEncoder). Returns the model, or the fast module if ``model`` itself was swapped.
     """
     if not isinstance(model, nn.Module):

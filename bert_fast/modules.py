@@ -5,14 +5,35 @@ and call ops; the data path is: tokens -> embedding_sum -> blocks (attention, ad
 linear_act, add_layernorm) -> output.
 """
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.modules import module as _nn_module
 
 from . import ops
 from .backend import backend_for, resolve_backend
 from .checks import check_encoder_inputs
 from .reference import AddNorm, BERTModel, MaskLM, NextSentencePred
+
+
+# nn.Module's registries of global hooks (register_module_forward_hook & co.), read as
+# nn.Module.__call__ reads them; getattr: not every PyTorch has every one.
+_GLOBAL_HOOKS = tuple(getattr(_nn_module, name, {}) for name in (
+    "_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks", "_global_backward_hooks"))
+
+
+def _linear(module, x):
+    """``module(x)``; for a plain nn.Linear without hooks, F.linear on its Parameters (what its
+    forward does, without the ~2 us of host time of a module call). Anything else (a wrapper
+    such as a LoRA layer, a module with hooks, a TorchScript trace) is called as a module."""
+    if (type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks
+                                           or module._backward_hooks or module._backward_pre_hooks)
+            and not any(_GLOBAL_HOOKS) and not torch._C._get_tracing_state()):
+        params = module._parameters
+        return F.linear(x, params["weight"], params["bias"])
+    return module(x)
 
 
 def _normalized_size(norm_shape, num_hiddens):
@@ -41,53 +62,72 @@ class FastMultiHeadAttention(nn.Module):
         self.W_k = nn.Linear(key_size, num_hiddens, bias=bias)
         self.W_v = nn.Linear(value_size, num_hiddens, bias=bias)
         self.W_o = nn.Linear(num_hiddens, num_hiddens, bias=bias)
+        # The packed projection reads W_q/W_k/W_v as one (3H, in) weight in place: keep them packed.
+        self._qkv_packing = None
+        self.pack_qkv_()
+        self.register_load_state_dict_post_hook(_repack_after_load)
+
+    def _apply(self, fn, recurse=True):
+        # .to(), .cuda(), .half() ... give every Parameter its own new tensor: pack them again.
+        super()._apply(fn, recurse)
+        self.pack_qkv_()
+        return self
+
+    def _qkv_params(self):
+        """W_q, W_k, W_v's weights, then their biases if they have them (dict reads: this runs
+        on every forward, and nn.Module attribute lookups cost ~0.5 us each)."""
+        projections = [self._modules[name]._parameters for name in ("W_q", "W_k", "W_v")]
+        return tuple(p["weight"] for p in projections) + tuple(p["bias"] for p in projections if p["bias"] is not None)
 
     def _packed_qkv(self):
-        """(3H, in) weight and (3H,) bias of the packed projection.
+        """(3H, in) weight and (3H,) bias (or None) of the packed projection.
 
-        Concatenated per call (gradients reach W_q/W_k/W_v through the concatenation), except
-        when autograd does not record them (no_grad, inference mode, frozen weights) after
-        ``pack_qkv_()``: then the three lie back to back in memory and the packed weight is a
-        view of them, so no copy at all. Never cached: a cache keyed on tensor identity and
-        version counters goes stale under wrappers that swap parameter storage (FSDP); a view
-        of the live memory cannot.
+        W_q, W_k and W_v lie back to back in one buffer (pack_qkv_, done at construction, after
+        ``.to()`` and after ``load_state_dict``), so the packed weight is that buffer, their live
+        memory: no copy. Under autograd it goes through _PackedQKV, which hands each Parameter
+        its slice of the gradient. Parameters that are not adjacent (replaced by hand, FSDP's
+        DTensors) and torch.compile tracing get a concatenation. The buffer is remembered with
+        the Parameters and their addresses (_QKVPacking): while it is held its memory cannot be
+        reused, so the same Parameters at the same addresses are still its parts.
         """
-        projections = (self.W_q, self.W_k, self.W_v)
-        packed = []
-        for tensors in ([p.weight for p in projections], [p.bias for p in projections]):
-            if tensors[0] is None:
-                packed.append(None)
-                continue
-            view = None
-            recorded = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-            if not recorded and not torch.compiler.is_compiling():
-                view = _back_to_back_view(tensors)
-            packed.append(torch.cat(tensors) if view is None else view)
-        return tuple(packed)
+        params = self._qkv_params()
+        compiling = torch.compiler.is_compiling()
+        packing = None if compiling else self._qkv_packing
+        if packing is None or not packing.holds(params):
+            packing = None if compiling else _QKVPacking.of(params)
+            self._qkv_packing = packing
+        if packing is None:
+            weights, biases = params[:3], params[3:]
+            return torch.cat(weights), torch.cat(biases) if biases else None
+        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+            return _PackedQKV.apply(packing.weight, packing.bias, *params)
+        return packing.weight, packing.bias
 
     @torch.no_grad()
     def pack_qkv_(self):
         """Store W_q, W_k and W_v (weights, and biases) back to back in one buffer, in place, so
-        that inference (no autograd) reads the packed projection without concatenating it on
-        every call: 6 H^2 bytes of copies (bf16) and two launches saved per layer and call, which
-        matters at small batches and under CUDA graphs.
+        that the packed projection is read without concatenating it on every call: 6 H^2 bytes
+        of copies (bf16) and two launches saved per layer and call.
 
-        The Parameters stay the same objects (their ``.data`` is moved; optimizers and
-        ``optimize()``'s sharing are kept); state_dict keys and values are unchanged. Moving or
-        casting the module afterwards (``.to``, ``.half``) undoes the packing (results stay
-        correct; call again). The three then share one storage: ``torch.save`` keeps that,
-        while ``safetensors.torch.save_file`` refuses shared tensors (use ``save_model``).
-        Returns self.
+        Done at construction, after ``.to()``/``.cuda()``/``.half()`` and after
+        ``load_state_dict`` (also with ``assign=True``); call it after replacing the Parameters
+        by hand. The Parameters stay the same objects (their ``.data`` is moved; optimizers and
+        ``optimize()``'s sharing are kept); state_dict keys and values are unchanged (the three
+        share one storage: ``torch.save`` and safetensors keep them as three tensors). Meta
+        tensors, tensor subclasses (FSDP's DTensors) and Parameters of different dtype, device
+        or width are left as they are (the concatenation stays). Returns self.
         """
         for name in ("weight", "bias"):
             params = [getattr(p, name) for p in (self.W_q, self.W_k, self.W_v)]
-            if params[0] is None or params[0].is_meta or _back_to_back_view(params) is not None:
+            if params[0] is None or not _packable(params) or _back_to_back_view(params) is not None:
                 continue
-            if len({(p.dtype, p.device, p.shape[1:]) for p in params}) != 1:
-                continue       # cannot share one buffer; the per-call concatenation stays
-            buffer = torch.cat([p.detach() for p in params])
+            # A normal tensor even when called in inference mode (a Parameter made an inference
+            # tensor could not be trained any more).
+            with torch.inference_mode(False):
+                buffer = torch.cat([p.detach() for p in params])
             for param, part in zip(params, buffer.split([p.shape[0] for p in params])):
                 param.data = part
+        self._qkv_packing = _QKVPacking.of(self._qkv_params())
         return self
 
     def forward(self, queries, keys, values, valid_lens=None, *, unpadding=None):
@@ -105,17 +145,14 @@ class FastMultiHeadAttention(nn.Module):
                                                 backend=backend)
         else:
             context = ops.multi_head_attention(self.W_q(queries), self.W_k(keys), self.W_v(values),
-                                    self.num_heads, valid_lens, dropout_p)
-        return self.W_o(context)
+                                               self.num_heads, valid_lens, dropout_p)
+        return _linear(self.W_o, context)
 
 
 def _back_to_back_view(tensors):
-    """The concatenation of ``tensors`` along dim 0 as a view (no copy) when they are plain
-    contiguous tensors lying back to back in one storage, else None.
-
-    Runs on every inference forward of every layer, packed or not: the address test that
-    rejects separate allocations comes first, and the rest costs a few microseconds of host
-    time (call it only where autograd records nothing: the view is made without detach)."""
+    """The concatenation of ``tensors`` along dim 0 as a view (no copy) of their detached
+    memory when they are plain contiguous tensors lying back to back in one storage, else None.
+    The address test that rejects separate allocations comes first."""
     first = tensors[0]
     if any(type(t) not in (torch.Tensor, nn.Parameter) for t in tensors):
         return None     # tensor subclasses (DTensor, FSDP's) have no storage of their own to view
@@ -132,7 +169,75 @@ def _back_to_back_view(tensors):
                 or t.untyped_storage().data_ptr() != storage):
             return None
     rows = sum(t.shape[0] for t in tensors)
-    return first.as_strided((rows, *row_shape), first.stride(), first.storage_offset())
+    return first.detach().as_strided((rows, *row_shape), first.stride(), first.storage_offset())
+
+
+class _QKVPacking(NamedTuple):
+    """The packed QKV weight and bias (views of one buffer each, detached), the Parameters
+    they are made of, and those Parameters' addresses when the views were made."""
+    params: tuple
+    addresses: tuple
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, params):
+        """The packing of W_q, W_k, W_v's weights (and biases), or None if they are not packed."""
+        weight = _back_to_back_view(params[:3])
+        bias = _back_to_back_view(params[3:]) if len(params) > 3 else None
+        if weight is None or (len(params) > 3 and bias is None):
+            return None
+        return cls(params, tuple(p.data_ptr() for p in params), weight, bias)
+
+    def holds(self, params):
+        """Whether ``params`` are still the packed ones, at the same addresses: the views hold
+        the buffer, so its memory cannot have been handed to another tensor."""
+        return (len(params) == len(self.params)
+                and all(p is q and p.data_ptr() == address
+                        for p, q, address in zip(params, self.params, self.addresses)))
+
+
+def _packable(params):
+    """Whether pack_qkv_ can put these Parameters in one buffer."""
+    return (all(type(p) in (torch.Tensor, nn.Parameter) and not p.is_meta for p in params)
+            and len({(p.dtype, p.device, p.shape[1:]) for p in params}) == 1)
+
+
+def _repack_after_load(module, incompatible_keys):
+    # load_state_dict(assign=True) replaces the Parameters; plain loads copy into them (a no-op).
+    module.pack_qkv_()
+
+
+class _PackedQKV(torch.autograd.Function):
+    """``weight`` and ``bias`` (or None), views of W_q | W_k | W_v lying back to back (no
+    copy), with each Parameter's slice of their gradients: the concatenation's autograd
+    without the concatenation. ``parts``: the three weights, then the three biases if any.
+
+    A view of W_q's tensor shares only W_q's version counter, so an in-place change of W_k or
+    W_v between forward and backward would go unnoticed by the saved view; the backward checks
+    their versions and raises as autograd does for saved tensors."""
+
+    @staticmethod
+    def forward(ctx, weight, bias, *parts):
+        ctx.parts = parts
+        ctx.versions = [p._version for p in parts]
+        return weight, bias
+
+    @staticmethod
+    def backward(ctx, grad_weight, grad_bias):
+        for part, version in zip(ctx.parts, ctx.versions):
+            if part._version != version:
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: a {tuple(part.shape)} parameter of the Q/K/V projections is at version "
+                    f"{part._version}; expected version {version} (bert_fast's packed QKV projection reads "
+                    f"W_q, W_k and W_v in place)")
+        weights, biases = ctx.parts[:3], ctx.parts[3:]
+        grads = [None] * len(ctx.parts)
+        for index, (grad, group) in enumerate(((grad_weight, weights), (grad_bias, biases))):
+            if grad is not None and group:
+                grads[3 * index:3 * index + 3] = grad.split([p.shape[0] for p in group])
+        return (None, None, *grads)
 
 
 class FastAddNorm(AddNorm):
@@ -162,7 +267,7 @@ class FastPositionWiseFFN(nn.Module):
     def forward(self, X):
         hidden = ops.linear_act(X, self.dense1.weight, self.dense1.bias, self.activation,
                                 backend=backend_for(self.backend, X.device))
-        return self.dense2(hidden)
+        return _linear(self.dense2, hidden)
 
 
 class FastEncoderBlock(nn.Module):
@@ -190,6 +295,7 @@ class FastEncoderBlock(nn.Module):
         self.addnorm2 = FastAddNorm(norm_shape, dropout, backend=backend)
 
     def forward(self, X, valid_lens=None, *, unpadding=None):
+        """``valid_lens`` may also be an ops.KeyMask (what FastBERTEncoder prepares once)."""
         Y = self.addnorm1(X, self.attention(X, X, X, valid_lens, unpadding=unpadding))
         return self.addnorm2(Y, self.ffn(Y))
 
@@ -244,14 +350,17 @@ class FastBERTEncoder(nn.Module):
     def forward(self, tokens, segments, valid_lens=None):
         if self.check_inputs:
             self.validate_inputs(tokens, segments, valid_lens)
+        backend = backend_for(self.backend, tokens.device)
         embed = dict(token_weight=self.token_embedding.weight,
                      segment_weight=self.segment_embedding.weight,
                      pos_weight=self.pos_embedding, learn_pos_embedding=self.learn_pos_embedding,
-                     backend=backend_for(self.backend, tokens.device))
+                     backend=backend)
         if not (self.skip_padding and valid_lens is not None):
             X = ops.embedding_sum(tokens, segments, **embed)
+            # valid_lens in the form the attention reads, once for all the layers.
+            key_mask = ops.prepare_key_mask(valid_lens, tokens.shape[1], backend)
             for blk in self.blks:
-                X = blk(X, valid_lens)
+                X = blk(X, key_mask)
             return X
         if valid_lens.dim() != 1:
             raise ValueError("skip_padding=True needs 1-D valid_lens of shape (batch,)")

@@ -282,37 +282,54 @@ def _qkv_weight_is_a_view(attention):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_pack_qkv_reads_the_projection_in_place_with_the_same_results(backend):
+def test_qkv_is_packed_by_default_and_read_in_place_with_the_same_results(backend):
     ref, fast = encoder_pair(encoder_config(), backend=backend)
     tokens, segments = random_inputs(B, L, 50)
     valid_lens = torch.tensor([4, 13, 0])
+    attention = fast.blks[0].attention
+    assert _qkv_weight_is_a_view(attention)            # packed at construction, kept by load_state_dict
     with torch.no_grad():
         before = fast(tokens, segments, valid_lens)
+    # Under autograd the view hands each Parameter its slice of the gradient.
+    compare_forward_backward(ref, fast, tokens, segments, valid_lens)
+    # Parameters replaced by hand: concatenated per call, the same results; pack_qkv_ packs them.
+    attention.W_k.weight = torch.nn.Parameter(attention.W_k.weight.detach().clone())
+    assert not _qkv_weight_is_a_view(attention)
     state = {name: t.clone() for name, t in fast.state_dict().items()}
     params = list(fast.parameters())
-    attention = fast.blks[0].attention
-    assert not _qkv_weight_is_a_view(attention)       # separate Parameters: concatenated per call
-    assert fast.pack_qkv_() is fast
-    assert _qkv_weight_is_a_view(attention)
+    with torch.no_grad():
+        assert torch.equal(fast(tokens, segments, valid_lens), before)
+    assert fast.pack_qkv_() is fast and _qkv_weight_is_a_view(attention)
     assert list(fast.parameters()) == params           # the same Parameter objects
     assert all(torch.equal(t, state[name]) for name, t in fast.state_dict().items())
     with torch.no_grad():
         assert torch.equal(fast(tokens, segments, valid_lens), before)
-    # With autograd the projection is concatenated, so every gradient still matches.
-    compare_forward_backward(ref, fast, tokens, segments, valid_lens)
-    # Frozen weights: autograd records nothing through them, so the view serves, and the
+    # Frozen weights: autograd records nothing through them, so the plain view serves, and the
     # gradient still reaches an input that asks for one.
     fast.requires_grad_(False)
     weight, _ = attention._packed_qkv()
-    assert weight.data_ptr() == attention.W_q.weight.data_ptr()
+    assert weight.data_ptr() == attention.W_q.weight.data_ptr() and weight.grad_fn is None
     x = torch.randn(5, attention.W_q.in_features, requires_grad=True)
     torch.nn.functional.linear(x, weight).sum().backward()
     assert_close(x.grad, weight.sum(0).expand(5, -1), atol=1e-5, what="input gradient")
 
 
-def test_pack_qkv_sees_loaded_and_updated_weights_and_survives_a_cast():
+@pytest.mark.parametrize("which", ["W_q", "W_k", "W_v"])
+def test_packed_qkv_backward_refuses_weights_changed_in_place_after_the_forward(which):
+    """The packed view reads the weights' memory: a change between forward and backward must
+    raise (as autograd does for a saved tensor), never give the gradient of other weights."""
+    _, fast = encoder_pair(encoder_config(num_layers=1))
+    tokens, segments = random_inputs(B, L, 50)
+    out = fast(tokens, segments, torch.tensor([4, 13, 9]))
+    with torch.no_grad():
+        getattr(fast.blks[0].attention, which).weight.mul_(2.0)
+    # W_k, W_v: our version check; W_q: autograd's own (the saved view's base was modified).
+    with pytest.raises(RuntimeError, match="modified"):
+        out.sum().backward()
+
+
+def test_packed_qkv_sees_loaded_and_updated_weights_and_survives_casts_and_assign():
     ref, fast = encoder_pair(encoder_config())
-    fast.pack_qkv_()
     tokens, segments = random_inputs(B, L, 50)
     valid_lens = torch.tensor([13, 5, 9])
     ref.blks[1].attention.W_k.weight.data.mul_(0.5)
@@ -323,12 +340,27 @@ def test_pack_qkv_sees_loaded_and_updated_weights_and_survives_a_cast():
         fast.blks[1].attention.W_v.bias.add_(1.0)      # an in-place update (an optimizer step)
         ref.blks[1].attention.W_v.bias.add_(1.0)
         assert_close(fast(tokens, segments, valid_lens), ref(tokens, segments, valid_lens), atol=1e-5)
-        ref64, fast64 = ref.double(), fast.double()    # a cast moves each Parameter on its own
-        assert not _qkv_weight_is_a_view(fast64.blks[0].attention)
-        assert_close(fast64(tokens, segments, valid_lens), ref64(tokens, segments, valid_lens), atol=1e-10)
-        fast64.pack_qkv_()
+        ref64, fast64 = ref.double(), fast.double()    # a cast moves each Parameter: packed again
         assert _qkv_weight_is_a_view(fast64.blks[0].attention)
         assert_close(fast64(tokens, segments, valid_lens), ref64(tokens, segments, valid_lens), atol=1e-10)
+    fast64.load_state_dict(ref64.state_dict(), assign=True)     # new Parameters: packed again
+    assert fast64.blks[0].attention.W_q.weight is not ref64.blks[0].attention.W_q.weight
+    assert _qkv_weight_is_a_view(fast64.blks[0].attention)
+    with torch.no_grad():
+        assert_close(fast64(tokens, segments, valid_lens), ref64(tokens, segments, valid_lens), atol=1e-10)
+
+
+def test_packed_state_dict_saves_and_loads_with_torch_save_and_safetensors(tmp_path):
+    ref, fast = encoder_pair(encoder_config(num_layers=1))
+    path = tmp_path / "fast.pt"
+    torch.save(fast.state_dict(), path)
+    reloaded = R.BERTEncoder(**encoder_config(num_layers=1))
+    reloaded.load_state_dict(torch.load(path), strict=True)
+    assert all(torch.equal(t, ref.state_dict()[name]) for name, t in reloaded.state_dict().items())
+    safetensors = pytest.importorskip("safetensors.torch", reason="safetensors is not installed")
+    safetensors.save_file(fast.state_dict(), tmp_path / "fast.safetensors")
+    loaded = safetensors.load_file(tmp_path / "fast.safetensors")
+    assert all(torch.equal(loaded[name], t) for name, t in ref.state_dict().items())
 
 
 def test_pack_qkv_after_optimize_keeps_the_shared_modules_working():
@@ -342,7 +374,7 @@ def test_pack_qkv_after_optimize_keeps_the_shared_modules_working():
     x = torch.randn(5, original_W_k.in_features)
     with torch.no_grad():
         expected, expected_projection = model(tokens, segments, valid_lens), original_W_k(x)
-    fast = bert_fast.optimize(model).pack_qkv_()
+    fast = bert_fast.optimize(model)                     # packs the adopted W_q/W_k/W_v in place
     assert fast.blks[0].attention.W_k is original_W_k and _qkv_weight_is_a_view(fast.blks[0].attention)
     with torch.no_grad():
         assert_close(fast(tokens, segments, valid_lens), expected, atol=1e-5)
