@@ -8,6 +8,8 @@ traces, and the whole check can be turned off with ``check_inputs=False`` on the
 
 import torch
 
+from .ops._triton import as_dtype
+
 
 def _is_integer(t):
     return not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
@@ -50,15 +52,16 @@ def check_encoder_inputs(tokens, segments, valid_lens, *, vocab_size, max_len, d
                              f"move them to the same device")
     if torch.compiler.is_compiling():
         return
-    # One host sync for all range checks together.
-    stats = [tokens.min(), tokens.max(), segments.min(), segments.max()]
+    # One host sync for all range checks together, from one reduction over both id tensors.
+    # int64: a narrower common dtype could wrap an out-of-range id into range.
+    ids = torch.stack((as_dtype(tokens.reshape(-1), torch.int64), as_dtype(segments.reshape(-1), torch.int64)))
+    stats = list(torch.aminmax(ids, dim=1))              # (tokens, segments) minima, maxima
     if valid_lens is not None and valid_lens.is_floating_point():
-        stats.append(valid_lens.isnan().any())
-    stats = torch.stack([s.to(torch.float64) for s in stats]).tolist()
-    if stats[0] < 0 or stats[1] >= vocab_size:
-        raise ValueError(f"token ids must be in [0, {vocab_size}), got values in "
-                         f"[{int(stats[0])}, {int(stats[1])}]")
-    if stats[2] < 0 or stats[3] > 1:
-        raise ValueError(f"segment ids must be 0 or 1, got values in [{int(stats[2])}, {int(stats[3])}]")
-    if len(stats) > 4 and stats[4]:
+        stats.append(valid_lens.isnan().any().reshape(1).to(ids.dtype))
+    (token_min, segment_min, token_max, segment_max, *has_nan) = torch.cat(stats).tolist()
+    if token_min < 0 or token_max >= vocab_size:
+        raise ValueError(f"token ids must be in [0, {vocab_size}), got values in [{token_min}, {token_max}]")
+    if segment_min < 0 or segment_max > 1:
+        raise ValueError(f"segment ids must be 0 or 1, got values in [{segment_min}, {segment_max}]")
+    if has_nan and has_nan[0]:
         raise ValueError("valid_lens contains NaN")

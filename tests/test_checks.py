@@ -113,3 +113,14 @@ def test_auto_backend_follows_the_device():
     backend_for = backend.backend_for
     assert backend_for("torch", torch.device("cuda")) == "torch"
     assert backend_for("triton", torch.device("cpu")) == "triton"
+
+
+def test_segment_ids_of_a_wider_dtype_are_checked_without_wrapping():
+    """int32 tokens with an int64 segment id of 2**33: read in a common narrower dtype it would
+    wrap to 0 and pass; it must be reported."""
+    _, fast = encoder_pair(encoder_config(num_layers=1))
+    tokens = torch.randint(0, 50, (2, 5), dtype=torch.int32)
+    segments = torch.zeros(2, 5, dtype=torch.int64)
+    segments[1, 3] = 2 ** 33
+    with pytest.raises(ValueError, match="segment ids must be 0 or 1"):
+        fast(tokens, segments, torch.tensor([5, 3]))
