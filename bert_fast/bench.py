@@ -12,7 +12,8 @@ method once (the order rotates from round to round), and the median and p90 come
 same rounds for all methods. Every method's output is checked against an fp32 eager forward.
 
 The command line also dispatches to the benchmark matrix, ``--suite gpu``
-(bert_fast/bench_suite.py), and reads records of either back: ``--table-from`` prints them as
+(bert_fast/bench_suite.py), and to the host-time benchmark, ``--suite host``
+(bert_fast/host_bench.py), and reads records of any of them back: ``--table-from`` prints them as
 markdown (``--readme`` writes them into a README), ``--plot-from`` draws them. What the
 benchmarks share (models, inputs, timing, records, their tables and plots) is in
 bert_fast/bench_common.py, also used by ``benchmarks/``.
@@ -27,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import bench_suite
+from . import bench_suite, host_bench
 from .backend import BACKENDS
 from .bench_common import (BASELINE, DTYPES, PRESETS, Progress, build_models, default_device,
                            environment_info, figure_class, first_call, make_inputs, max_error,
@@ -179,10 +180,11 @@ def make_record(rows, *, preset, config, batch, seqs, min_len_frac, dtype, seed,
 
 
 def suite_requested(argv):
-    """Whether the command line asks for the benchmark matrix, which has its own options."""
+    """The suite the command line asks for ("gpu": the benchmark matrix, "host": the host-time
+    benchmark; each has its own options), or None."""
     probe = argparse.ArgumentParser(add_help=False)
     probe.add_argument("--suite")
-    return probe.parse_known_args(argv)[0].suite is not None
+    return probe.parse_known_args(argv)[0].suite
 
 
 def parse_args(argv=None):
@@ -214,9 +216,11 @@ def parse_args(argv=None):
     parser.add_argument("--plot-from", metavar="JSON", nargs="+",
                         help="only plot these saved --json results (or --suite records) into --plot "
                              "PATH (no benchmark)")
-    parser.add_argument("--suite", choices=["gpu"],
-                        help="run the benchmark matrix instead (presets x dtypes x shapes x every peer; "
-                             "bert_fast/bench_suite.py); its options: --suite gpu --help")
+    parser.add_argument("--suite", choices=["gpu", "host"],
+                        help="run another benchmark instead, with its own options: gpu, the benchmark matrix "
+                             "(presets x dtypes x shapes x every peer; bert_fast/bench_suite.py, see --suite gpu "
+                             "--help); host, the host time of a forward at negligible arithmetic "
+                             "(bert_fast/host_bench.py, see --suite host --help)")
     parser.add_argument("--table-from", metavar="JSON", nargs="+",
                         help="only print these records (--json or --suite) as markdown tables (no "
                              "benchmark)")
@@ -254,9 +258,11 @@ def parse_args(argv=None):
 
 def main(argv=None):
     start = time.perf_counter()
-    if suite_requested(sys.argv[1:] if argv is None else argv):
-        bench_suite.main(sys.argv[1:] if argv is None else list(argv),
-                         record_argv=None if argv is None else ["bert_fast.bench.main", *argv])
+    suite = suite_requested(sys.argv[1:] if argv is None else argv)
+    if suite is not None:
+        run_suite = host_bench.main if suite == "host" else bench_suite.main
+        run_suite(sys.argv[1:] if argv is None else list(argv),
+                  record_argv=None if argv is None else ["bert_fast.bench.main", *argv])
         return
     args = parse_args(argv)
     if args.table_from:

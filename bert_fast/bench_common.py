@@ -53,6 +53,7 @@ METHOD_NAMES = ("eager", "compile", "fast", "fast_skip_padding")   # build_model
 BASELINE = "eager"
 # The "kind" of a record of ``--suite gpu``. Main-job records (``--json``) carry no kind.
 SUITE_RECORD_KIND = "bert_fast.bench --suite gpu"
+HOST_RECORD_KIND = "bert_fast.bench --suite host"
 
 
 # --------------------------------------------------------------------------- models and inputs
@@ -284,6 +285,10 @@ def is_main_record(record):
     return not is_suite_record(record) and "encoder" in record.get("config", {})
 
 
+def is_host_record(record):
+    return record.get("kind") == HOST_RECORD_KIND
+
+
 # --------------------------------------------------------------------------- markdown tables
 
 def main_record_markdown(record):
@@ -402,6 +407,32 @@ def suite_record_markdown(record):
                        _footnotes(record)])
 
 
+def host_record_markdown(record):
+    """A record of ``--suite host`` as markdown: a caption naming the machine and the shape, and
+    per mode a table of host microseconds per call against the reference."""
+    env, config = record["environment"], record["config"]
+    caption = (
+        f"Measured on **{env['device_name']}** ({env['device']}, {env['torch_num_threads']} threads), "
+        f"{record['date']}: torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, extension "
+        f"{env['extension']}. {config['num_layers']} layers, H {config['num_hiddens']}, "
+        f"{config['num_heads']} heads, FFN {config['ffn_num_hiddens']}, B {config['batch']}, "
+        f"L {config['seq']}, dropout {config['dropout']}, check_inputs {config['check_inputs']}; "
+        f"{config['rounds']} interleaved rounds of {config['calls_per_round']} calls.\n"
+        f"Command: `{' '.join(record['command'])}`")
+    parts = [caption]
+    for mode in dict.fromkeys(row["mode"] for row in record["rows"]):
+        lines = [f"**{mode}**", "",
+                 "| method | median µs | p10 µs | p90 µs | vs reference | vs fast[torch] | ATen ops / layer "
+                 "| launches / layer |", "|---|---|---|---|---|---|---|---|"]
+        for row in (r for r in record["rows"] if r["mode"] == mode):
+            lines.append(f"| {row['method']} | {row['median_us']:.0f} | {row['p10_us']:.0f} | {row['p90_us']:.0f} "
+                         f"| {row['vs_reference']:.2f}× | {_optional(row['vs_torch_backend'], '{:.2f}×')} "
+                         f"| {row['aten_ops_per_layer']:.1f} | {_optional(row['launches_per_layer'], '{:.1f}')} |")
+        parts.append("\n".join(lines))
+    parts.append(f"Timing: {config['timing']}.")
+    return "\n\n".join(parts)
+
+
 def format_markdown(records):
     """Markdown of records of any kind, in order (``--table-from``)."""
     parts = []
@@ -410,9 +441,11 @@ def format_markdown(records):
             parts.append(suite_record_markdown(record))
         elif is_main_record(record):
             parts.append(main_record_markdown(record))
+        elif is_host_record(record):
+            parts.append(host_record_markdown(record))
         else:
-            raise ValueError("--table-from reads records of `python -m bert_fast.bench --json` "
-                             "or `--suite gpu`; this file is neither")
+            raise ValueError("--table-from reads records of `python -m bert_fast.bench --json`, "
+                             "`--suite gpu` or `--suite host`; this file is none of them")
     return "\n\n".join(parts)
 
 

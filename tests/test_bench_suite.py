@@ -229,7 +229,7 @@ def test_table_from_says_what_is_wrong(tmp_path):
     assert readme.read_text() == "no markers here\n"
     other = tmp_path / "other.json"
     other.write_text('{"rows": []}')
-    with pytest.raises(SystemExit, match="neither"):
+    with pytest.raises(SystemExit, match="none of them"):
         bench.main(["--table-from", str(other)])
     with pytest.raises(SystemExit):
         bench.parse_args(["--readme", str(readme)])      # --readme needs --table-from

@@ -1,0 +1,286 @@
+"""Host cost of an encoder forward: ``python -m bert_fast.bench --suite host``.
+
+At a shape with negligible arithmetic (by default 12 layers, H 64, 4 heads, FFN 256, B 1,
+L 8) a forward takes as long as its host work: Python, the dispatcher, allocations, and the
+kernel launches. On a GPU that host work is what a BERT forward waits on at small and medium
+batches (../shared/gpu-runs/h100-2026-11-23: the fused path's kernels took 2-4x less GPU time
+than the reference's, yet its eager forward was slower). The same Python and dispatcher work
+runs on CPU tensors, so this benchmark measures it on any machine:
+
+  forward            eval mode, under torch.inference_mode, as a server calls it
+  forward+backward   train mode (dropout --dropout, default 0: no dropout work), output.sum()
+                     backward, gradients set to None (untimed) before each call
+
+for the reference (the book's BERTEncoder, the baseline) and FastBERTEncoder on every backend
+this install can run, on the same weights and inputs, in interleaved rounds (each round calls
+every method, in rotating order). Each row also counts the ATen operator calls per layer (a
+TorchDispatchMode sees every call that reaches a kernel), and on CUDA the kernel launches per
+layer (the profiler's device events).
+
+What a CPU measurement does and does not show: the modules' Python, the autograd machinery,
+the dispatcher and the allocations are the same on CPU and GPU tensors; the kernels are not.
+On CPU tensors the "triton" backend runs its ops' CPU kernels (plain PyTorch: SDPA, one
+native_layer_norm, addmm with the ReLU epilogue), not Triton's launcher, whose own cost shows
+only on a GPU; the "cuda" backend runs the extension's C++ ops. So on a GPU run this benchmark
+again: it is the one that counts launches and sees Triton's launcher.
+"""
+
+import argparse
+import datetime
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .bench_common import (HOST_RECORD_KIND, Progress, default_device, environment_info, host_record_markdown,
+                           make_inputs, synchronize, write_json, _rotated)
+from .backend import resolve_backend
+from .modules import FastBERTEncoder
+from .reference import BERTEncoder
+
+SHAPE = dict(num_layers=12, num_hiddens=64, num_heads=4, ffn_num_hiddens=256, batch=1, seq=8)
+VOCAB_SIZE = 1000      # small tables: the reference's dense embedding gradient stays negligible
+MODES = ("forward", "forward+backward")
+BASELINE = "reference"
+
+
+def encoder_config(num_layers, num_hiddens, num_heads, ffn_num_hiddens, seq, dropout):
+    return dict(vocab_size=VOCAB_SIZE, num_hiddens=num_hiddens, norm_shape=[num_hiddens],
+                ffn_num_input=num_hiddens, ffn_num_hiddens=ffn_num_hiddens, num_heads=num_heads,
+                num_layers=num_layers, dropout=dropout, max_len=max(seq, 8), key_size=num_hiddens,
+                query_size=num_hiddens, value_size=num_hiddens)
+
+
+def usable_backends():
+    usable = []
+    for backend in ("torch", "triton", "cuda"):
+        try:
+            resolve_backend(backend)
+        except ValueError:
+            continue
+        usable.append(backend)
+    return usable
+
+
+def build_models(config, backends, device, check_inputs=True, seed=0):
+    """{name: module}: the reference and a FastBERTEncoder per backend, on the reference's weights."""
+    torch.manual_seed(seed)
+    reference = BERTEncoder(**config).to(device)
+    models = {BASELINE: reference}
+    for backend in backends:
+        fast = FastBERTEncoder(**config, backend=backend, check_inputs=check_inputs).to(device)
+        fast.load_state_dict(reference.state_dict())
+        models[f"fast[{backend}]"] = fast
+    return models
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the ATen operator calls that reach a kernel (below autograd)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _call(model, mode, inputs):
+    if mode == "forward":
+        with torch.inference_mode():
+            return model(*inputs)
+    model(*inputs).sum().backward()
+
+
+def _prepare(models, mode):
+    for model in models.values():
+        model.train(mode != "forward")
+        model.zero_grad(set_to_none=True)
+
+
+def count_ops(model, mode, inputs):
+    """ATen operator calls of one call (after warmup)."""
+    counter = _OpCounter()
+    with counter:
+        _call(model, mode, inputs)
+    model.zero_grad(set_to_none=True)
+    return counter.calls
+
+
+def count_launches(model, mode, inputs, device):
+    """CUDA kernel launches (kernels, memcpys, memsets) of one call, from the profiler; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _call(model, mode, inputs)
+        synchronize(device)
+    model.zero_grad(set_to_none=True)
+    return sum(1 for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def time_mode(models, mode, inputs, device, rounds, calls, warmup, progress=None):
+    """Host microseconds per call of each model: {name: [per-round medians]}.
+
+    forward: ``calls`` back-to-back calls per round, one synchronize at the end (so on a GPU this
+    is the host's rate; at this shape the GPU keeps up). forward+backward: each call timed on its
+    own, gradients set to None before it (untimed), synchronize after it.
+    """
+    per_round = {name: [] for name in models}
+    for round_index in range(-warmup, rounds):
+        for name in _rotated(list(models), round_index):
+            model = models[name]
+            if progress is not None:
+                what = "warmup" if round_index < 0 else f"round {round_index + 1}/{rounds}"
+                progress.update(f"{mode}: {name}: {what}")
+            if mode == "forward":
+                synchronize(device)
+                start = time.perf_counter()
+                with torch.inference_mode():
+                    for _ in range(calls):
+                        model(*inputs)
+                synchronize(device)
+                seconds = (time.perf_counter() - start) / calls
+            else:
+                samples = []
+                for _ in range(calls):
+                    model.zero_grad(set_to_none=True)
+                    synchronize(device)
+                    start = time.perf_counter()
+                    model(*inputs).sum().backward()
+                    synchronize(device)
+                    samples.append(time.perf_counter() - start)
+                seconds = statistics.median(samples)
+            if round_index >= 0:
+                per_round[name].append(1e6 * seconds)
+    return per_round
+
+
+def make_rows(mode, per_round, ops, launches, num_layers, backends):
+    baseline = statistics.median(per_round[BASELINE])
+    torch_name = "fast[torch]"
+    torch_median = statistics.median(per_round[torch_name]) if torch_name in per_round else None
+    rows = []
+    for name, samples in per_round.items():
+        median = statistics.median(samples)
+        p10, p90 = (float(x) for x in np.percentile(samples, [10, 90]))
+        rows.append(dict(
+            mode=mode, method=name, median_us=median, p10_us=p10, p90_us=p90, round_us=samples,
+            vs_reference=median / baseline,
+            vs_torch_backend=median / torch_median if torch_median else None,
+            aten_ops_per_layer=ops[name] / num_layers,
+            launches_per_layer=None if launches[name] is None else launches[name] / num_layers))
+    return rows
+
+
+def run(options, progress):
+    device = options.device
+    config = encoder_config(options.layers, options.hidden, options.heads, options.ffn, options.seq,
+                            options.dropout)
+    models = build_models(config, options.backends, device, check_inputs=options.check_inputs)
+    inputs = tuple(make_inputs(options.batch, options.seq, 0.5, VOCAB_SIZE, options.seed, device))
+    rows = []
+    for mode in options.modes:
+        _prepare(models, mode)
+        for model in models.values():          # first calls: lazy initialisation, Triton compiles
+            for _ in range(2):
+                _call(model, mode, inputs)
+        ops = {name: count_ops(model, mode, inputs) for name, model in models.items()}
+        launches = {name: count_launches(model, mode, inputs, device) for name, model in models.items()}
+        per_round = time_mode(models, mode, inputs, device, options.rounds, options.calls, options.warmup,
+                              progress)
+        rows += make_rows(mode, per_round, ops, launches, options.layers, options.backends)
+        _prepare(models, "forward")
+    return rows
+
+
+def make_record(rows, options, argv):
+    return dict(
+        kind=HOST_RECORD_KIND,
+        environment=environment_info(options.device),
+        command=list(argv),
+        date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        config=dict(num_layers=options.layers, num_hiddens=options.hidden, num_heads=options.heads,
+                    ffn_num_hiddens=options.ffn, vocab_size=VOCAB_SIZE, batch=options.batch,
+                    seq=options.seq, dropout=options.dropout, check_inputs=options.check_inputs,
+                    rounds=options.rounds, calls_per_round=options.calls, warmup_rounds=options.warmup,
+                    seed=options.seed, timing=TIMING),
+        rows=rows)
+
+
+TIMING = ("host microseconds per call, median over interleaved rounds (rotating order). forward: "
+          "eval, torch.inference_mode, N back-to-back calls per round, one synchronize after them; "
+          "forward+backward: train mode, output.sum().backward(), each call timed alone (grads set to "
+          "None before it, untimed; synchronize after it), the round's median. ATen ops: operator "
+          "calls that reach a kernel (TorchDispatchMode), per layer = per call / layers; launches: "
+          "CUDA kernels, memcpys and memsets of one call (torch.profiler), per layer likewise")
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        prog="python -m bert_fast.bench --suite host",
+        description="Host time (Python, dispatcher, launches) of an encoder forward and forward+backward "
+                    "at a shape with negligible arithmetic: the reference against FastBERTEncoder on every "
+                    "backend. Runs on CPU and GPU.")
+    parser.add_argument("--suite", choices=["host"], required=True)
+    parser.add_argument("--device", help="default: cuda if available, else cpu")
+    parser.add_argument("--backends", nargs="+", choices=["torch", "triton", "cuda"],
+                        help="FastBERTEncoder backends (default: every one this install can run)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--layers", type=int, default=SHAPE["num_layers"])
+    parser.add_argument("--hidden", type=int, default=SHAPE["num_hiddens"])
+    parser.add_argument("--heads", type=int, default=SHAPE["num_heads"])
+    parser.add_argument("--ffn", type=int, default=SHAPE["ffn_num_hiddens"])
+    parser.add_argument("--batch", type=int, default=SHAPE["batch"])
+    parser.add_argument("--seq", type=int, default=SHAPE["seq"],
+                        help="padded length L; valid lengths uniform in [L/2, L]")
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="the models' dropout (train mode, forward+backward); default 0: the host path "
+                             "without dropout work")
+    parser.add_argument("--check-inputs", action=argparse.BooleanOptionalAction, default=True,
+                        help="FastBERTEncoder's check_inputs (default: on, as constructed by users)")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--calls", type=int, default=20, help="calls per method and round")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", help="write the record here")
+    options = parser.parse_args(argv)
+    if min(options.rounds, options.calls, options.layers, options.batch, options.seq) < 1 or options.warmup < 0:
+        parser.error("--rounds, --calls, --layers, --batch and --seq must be >= 1, --warmup >= 0")
+    if options.hidden % options.heads:
+        parser.error(f"--hidden ({options.hidden}) must be divisible by --heads ({options.heads})")
+    options.device = torch.device(options.device) if options.device else default_device()
+    options.backends = options.backends or usable_backends()
+    for backend in options.backends:
+        try:
+            resolve_backend(backend)
+        except ValueError as error:
+            parser.error(str(error))
+    return options
+
+
+def main(argv, record_argv=None):
+    start = time.perf_counter()
+    options = parse_args(argv)
+    env = environment_info(options.device)
+    print(f"suite host on {env['device_name']} ({options.device}, {torch.get_num_threads()} threads): "
+          f"{options.layers} layers, H {options.hidden}, {options.heads} heads, FFN {options.ffn}, "
+          f"B {options.batch}, L {options.seq}; backends {options.backends}", flush=True)
+    progress = Progress()
+    rows = run(options, progress)
+    progress.close()
+    record = make_record(rows, options, sys.orig_argv if record_argv is None else record_argv)
+    print(host_record_markdown(record))
+    if options.json:
+        Path(options.json).parent.mkdir(parents=True, exist_ok=True)
+        write_json(record, options.json)
+        print(f"wrote {options.json}")
+    print(f"total wall time {time.perf_counter() - start:.1f} s")
+    return record
