@@ -93,7 +93,7 @@ def _convert_block(blk, backend):
     return _adopt_block(fast, blk)
 
 
-def _convert_encoder(enc, backend, skip_padding):
+def _convert_encoder(enc, backend, skip_padding, cuda_graphs):
     _require(type(enc).__name__ == "BERTEncoder", f"class name {type(enc).__name__!r}")
     _require(isinstance(enc.token_embedding, nn.Embedding) and isinstance(enc.segment_embedding, nn.Embedding),
              "token/segment embeddings that are not nn.Embedding")
@@ -114,7 +114,7 @@ def _convert_encoder(enc, backend, skip_padding):
                                max_len=pos.shape[1], key_size=c["key_size"],
                                query_size=c["query_size"], value_size=c["value_size"],
                                activation=c["activation"], skip_padding=skip_padding,
-                               backend=backend)
+                               backend=backend, cuda_graphs=cuda_graphs)
     fast.token_embedding, fast.segment_embedding = enc.token_embedding, enc.segment_embedding
     fast.pos_embedding = pos
     for fast_blk, blk in zip(fast.blks, enc.blks):
@@ -123,33 +123,34 @@ def _convert_encoder(enc, backend, skip_padding):
     return fast
 
 
-def _swap(module, backend, skip_padding, path):
+def _swap(module, backend, encoder_options, path):
     """Return the replacement for ``module`` (or ``module`` itself, its children swapped)."""
     for converter, looks_like, kind in ((_convert_encoder, _looks_like_encoder, "BERTEncoder"),
                                         (_convert_block, _looks_like_block, "EncoderBlock")):
         if isinstance(module, (FastBERTEncoder, FastEncoderBlock)) or not looks_like(module):
             continue
         try:
-            args = (backend, skip_padding) if converter is _convert_encoder else (backend,)
+            args = (backend, *encoder_options) if converter is _convert_encoder else (backend,)
             return converter(module, *args)
         except _Unsupported as why:
             warnings.warn(f"bert_fast.optimize: {path or 'model'} ({type(module).__name__}) looks like "
                           f"a reference-style {kind} but was left untouched: unsupported {why}", stacklevel=3)
     for name, child in module.named_children():
-        new = _swap(child, backend, skip_padding, f"{path}.{name}" if path else name)
+        new = _swap(child, backend, encoder_options, f"{path}.{name}" if path else name)
         if new is not child:
             setattr(module, name, new)
     return module
 
 
-def optimize(model, backend=None, *, skip_padding=False):
+def optimize(model, backend=None, *, skip_padding=False, cuda_graphs=False):
     """Swap every reference-style BERTEncoder / EncoderBlock in ``model`` for a fast one.
 
     Parameters are shared, not copied: the fast modules hold the very same Parameter objects
     (W_q, W_k and W_v of each block move into one buffer in place, see
-    FastMultiHeadAttention.pack_qkv_; their values and the state_dict are unchanged). ``skip_padding`` applies to swapped encoders (see
-    FastBERTEncoder). Returns the model, or the fast module if ``model`` itself was swapped.
+    FastMultiHeadAttention.pack_qkv_; their values and the state_dict are unchanged).
+    ``skip_padding`` and ``cuda_graphs`` apply to swapped encoders (see FastBERTEncoder).
+    Returns the model, or the fast module if ``model`` itself was swapped.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() expects an nn.Module, got {type(model).__name__}")
-    return _swap(model, resolve_backend(backend), skip_padding, "")
+    return _swap(model, resolve_backend(backend), (skip_padding, cuda_graphs), "")

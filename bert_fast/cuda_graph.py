@@ -55,7 +55,7 @@ from torch import nn
 
 from .reference import BERTModel
 
-__all__ = ["capture_encoder", "GraphedEncoder"]
+__all__ = ["capture_encoder", "GraphedEncoder", "graphed_forward"]
 
 _INPUT_NAMES = ("tokens", "segments", "valid_lens")
 
@@ -260,3 +260,8 @@ def _check_matches_captured(name, given, static):
         raise ValueError(f"{name}: expected {_describe(static)} (the captured example), got "
                          f"{_describe(given)}. A CUDA graph replays fixed shapes, dtypes and devices: "
                          f"{', '.join(fixes)}, or capture another graph")
+
+
+def graphed_forward(encoder, tokens, segments, valid_lens=None):
+    """FastBERTEncoder's forward with ``cuda_graphs=True``: not written yet, runs eagerly."""
+    return encoder._forward(tokens, segments, valid_lens)

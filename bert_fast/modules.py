@@ -15,6 +15,7 @@ from torch.nn.modules import module as _nn_module
 from . import ops
 from .backend import backend_for, resolve_backend
 from .checks import check_encoder_inputs
+from .cuda_graph import graphed_forward
 from .reference import AddNorm, BERTModel, MaskLM, NextSentencePred
 
 
@@ -314,17 +315,20 @@ class FastBERTEncoder(nn.Module):
         (see bert_fast.backend).
       check_inputs: validate ids, lengths, shapes and devices (one host sync); set False
         (or flip the attribute) in a production loop that already guarantees them.
+      cuda_graphs: replay inference forwards from CUDA graphs captured per shape bucket
+        (bert_fast.cuda_graph.graphed_forward); training, CPU inputs and autograd run eagerly.
     """
 
     def __init__(self, vocab_size, num_hiddens, norm_shape, ffn_num_input, ffn_num_hiddens,
                  num_heads, num_layers, dropout, max_len=1000, key_size=768, query_size=768,
                  value_size=768, *, activation="relu", learn_pos_embedding=False,
-                 skip_padding=False, backend=None, check_inputs=True, **kwargs):
+                 skip_padding=False, backend=None, check_inputs=True, cuda_graphs=False, **kwargs):
         super().__init__(**kwargs)
         self.backend = resolve_backend(backend)
         self.learn_pos_embedding = learn_pos_embedding
         self.skip_padding = skip_padding
         self.check_inputs = check_inputs
+        self.cuda_graphs = cuda_graphs
         self.token_embedding = nn.Embedding(vocab_size, num_hiddens)
         self.segment_embedding = nn.Embedding(2, num_hiddens)
         self.blks = nn.Sequential()
@@ -348,6 +352,13 @@ class FastBERTEncoder(nn.Module):
                              skip_padding=self.skip_padding)
 
     def forward(self, tokens, segments, valid_lens=None):
+        if self.cuda_graphs:
+            return graphed_forward(self, tokens, segments, valid_lens)
+        return self._forward(tokens, segments, valid_lens)
+
+    def _forward(self, tokens, segments, valid_lens=None, *, num_tokens=None):
+        """The eager forward; ``num_tokens`` (skip_padding): a static bound on the valid tokens
+        instead of counting them on the host (what a CUDA graph captures)."""
         if self.check_inputs:
             self.validate_inputs(tokens, segments, valid_lens)
         backend = backend_for(self.backend, tokens.device)
@@ -364,7 +375,7 @@ class FastBERTEncoder(nn.Module):
             return X
         if valid_lens.dim() != 1:
             raise ValueError("skip_padding=True needs 1-D valid_lens of shape (batch,)")
-        unpadding = ops.unpadding_for(valid_lens, tokens.shape[1])
+        unpadding = ops.unpadding_for(valid_lens, tokens.shape[1], num_tokens)
         X = ops.embedding_sum(ops.unpad(tokens, unpadding), ops.unpad(segments, unpadding),
                               positions=unpadding.indices % tokens.shape[1], **embed)
         for blk in self.blks:

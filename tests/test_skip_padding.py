@@ -72,3 +72,46 @@ def test_learn_pos_embedding_gradient_matches_exact_mode():
     (exact(tokens, segments, valid_lens) * w).sum().backward()
     (skip(tokens, segments, valid_lens) * w).sum().backward()
     assert_close(skip.pos_embedding.grad, exact.pos_embedding.grad, atol=1e-4, rtol=1e-4)
+
+
+def _usable_backends():
+    from bert_fast.backend import BACKENDS, resolve_backend
+    usable = []
+    for backend in BACKENDS:
+        try:
+            resolve_backend(backend)
+        except ValueError:
+            continue
+        usable.append(backend)
+    return usable
+
+
+@pytest.mark.parametrize("backend", _usable_backends())
+def test_a_static_token_count_gives_the_counted_result(backend):
+    """skip_padding with a static bound on the valid tokens (what a CUDA graph captures: no host
+    read): the filler rows past the valid count change nothing and are dropped."""
+    _, skip = encoder_pair(encoder_config(), skip_padding=True, backend=backend)
+    tokens, segments = random_inputs(B, L, 50)
+    valid_lens = torch.tensor([2.5, 0.0, 13.0, 7.25])          # 3 + 0 + 13 + 8 = 24 valid tokens
+    with torch.no_grad():
+        expected = skip(tokens, segments, valid_lens)
+        for num_tokens in (24, 25, 32, B * L):
+            out = skip._forward(tokens, segments, valid_lens, num_tokens=num_tokens)
+            assert_close(out, expected, atol=1e-5, what=f"num_tokens={num_tokens}")
+
+
+def test_static_unpadding_round_trip_and_filler():
+    from bert_fast import ops
+    valid_lens = torch.tensor([2.5, 0.0, 4.0])
+    unpadding = ops.unpadding_for(valid_lens, 4, num_tokens=9)
+    assert unpadding.static and unpadding.seqlens is None
+    assert unpadding.indices.tolist() == [0, 1, 2, 8, 9, 10, 11, 12, 12]    # filler: slot B*L = 12
+    assert unpadding.cu_seqlens.tolist() == [0, 3, 3, 7]
+    x = torch.randn(3, 4, 5)
+    packed = ops.unpad(x, unpadding)
+    assert packed.shape == (9, 5) and torch.all(packed[7:] == 0)
+    back = ops.pad(packed + 1.0, unpadding)              # the filler rows' values are dropped
+    keep = torch.arange(4)[None] < valid_lens[:, None]
+    assert torch.equal(back[keep], x[keep] + 1.0) and torch.all(back[~keep] == 0)
+    with pytest.raises(ValueError, match="per-sequence counts on the host"):
+        ops.unpadded_self_attention(torch.randn(9, 12), 2, unpadding, valid_lens, per_sequence=True)

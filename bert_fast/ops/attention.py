@@ -972,8 +972,9 @@ def unpadded_self_attention(qkv, num_heads, unpadding, valid_lens, dropout_p=0.0
     one varlen launch over ``unpadding.cu_seqlens``, bounded by the padded length (``valid_lens``
     is already applied by the unpadding). On the torch backend (and the CPU without dropout),
     on the CPU we run it one SDPA call per sequence (no padding copies, no masked work);
-    elsewhere one call over the re-padded (B, L) layout with the key mask keeps the launch count
-    independent of B. ``per_sequence`` forces one or the other (torch backend only).
+    elsewhere (and for a static unpadding, which has no host counts) one call over the re-padded
+    (B, L) layout with the key mask keeps the launch count independent of B. ``per_sequence``
+    forces one or the other (torch backend only).
     """
     if uses_triton(backend):
         dropout_p = float(dropout_p)
@@ -988,7 +989,10 @@ def unpadded_self_attention(qkv, num_heads, unpadding, valid_lens, dropout_p=0.0
             return _varlen_attention_fwd(*args)[0]
     hidden = qkv.shape[-1] // 3
     if per_sequence is None:
-        per_sequence = qkv.device.type == "cpu"
+        per_sequence = qkv.device.type == "cpu" and not unpadding.static
+    if per_sequence and unpadding.static:
+        raise ValueError("per_sequence attention needs the per-sequence counts on the host; a static "
+                         "unpadding (num_tokens given) has none")
     if not per_sequence:
         context = packed_self_attention(pad(qkv, unpadding), num_heads, valid_lens, dropout_p)
         return unpad(context, unpadding)

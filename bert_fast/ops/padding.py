@@ -2,6 +2,12 @@
 
 Used by skip_padding: a token is valid where ``float32(j) < valid_lens[b]`` (the attention
 rule), so exactly the queries whose outputs the exact mode defines from valid keys only.
+
+Two forms. Counted (the default): one host read of the per-sequence counts gives N exactly.
+Static (``num_tokens`` given, e.g. a CUDA-graph bucket >= the valid count): no host read, so it
+can be captured; the packed tensors have ``num_tokens`` rows, the rows past the valid count are
+filler that reads slot B*L (a zero row, token 0) and that ``pad`` drops, and they belong to no
+sequence of ``cu_seqlens``, so attention never mixes them with real tokens.
 """
 
 from typing import NamedTuple
@@ -11,33 +17,51 @@ from torch.nn import functional as F
 
 
 class Unpadding(NamedTuple):
-    indices: torch.Tensor      # (N,) int64 flat indices into B*L of the valid tokens
+    indices: torch.Tensor      # (N,) int64 flat indices into B*L of the valid tokens (filler: B*L)
     cu_seqlens: torch.Tensor   # (B+1,) int32 prefix sum of per-sequence valid counts
-    seqlens: list              # per-sequence valid counts on the host (the sync we pay anyway)
+    seqlens: list | None       # per-sequence valid counts on the host (the sync we pay); None if static
     batch: int
     seqlen: int
 
+    @property
+    def static(self):
+        return self.seqlens is None
 
-def unpadding_for(valid_lens, seqlen):
-    """Indices of the valid tokens for 1-D ``valid_lens``; one host sync (the counts, which
-    give the size N of everything unpadded)."""
+
+def unpadding_for(valid_lens, seqlen, num_tokens=None):
+    """Indices of the valid tokens for 1-D ``valid_lens``: one host sync (the counts, which give
+    the size N of everything unpadded), or none with ``num_tokens`` (at least the valid count;
+    the static form of the module docstring)."""
     positions = torch.arange(seqlen, dtype=torch.float32, device=valid_lens.device)
     valid = positions < valid_lens[:, None]                                   # (B, L)
     counts = valid.sum(dim=1, dtype=torch.int32)
-    seqlens = counts.tolist()
     cu_seqlens = F.pad(torch.cumsum(counts, 0, dtype=torch.int32), (1, 0))
-    indices = torch.nonzero_static(valid.flatten(), size=sum(seqlens)).squeeze(1)
-    return Unpadding(indices, cu_seqlens, seqlens, valid_lens.shape[0], seqlen)
+    batch = valid_lens.shape[0]
+    if num_tokens is None:
+        seqlens = counts.tolist()
+        num_tokens, filler = sum(seqlens), 0
+    else:
+        seqlens, filler = None, batch * seqlen
+    indices = torch.nonzero_static(valid.flatten(), size=num_tokens, fill_value=filler).squeeze(1)
+    return Unpadding(indices, cu_seqlens, seqlens, batch, seqlen)
 
 
 def unpad(x, unpadding):
     """(B, L, ...) -> (N, ...)."""
-    return x.flatten(0, 1).index_select(0, unpadding.indices)
+    rows = x.flatten(0, 1)
+    if unpadding.static:          # slot B*L for the filler rows
+        rows = torch.cat((rows, rows.new_zeros((1,) + rows.shape[1:])))
+    return rows.index_select(0, unpadding.indices)
 
 
 def pad(x, unpadding):
-    """(N, ...) -> (B, L, ...), zeros at padded positions."""
+    """(N, ...) -> (B, L, ...), zeros at padded positions (static form: filler rows dropped)."""
+    slots = unpadding.batch * unpadding.seqlen
     # Zeros, not empty: padded rows are keys/values of attention, masked but still multiplied.
+    if unpadding.static:
+        out = x.new_zeros((slots + 1,) + tuple(x.shape[1:]))
+        out.index_copy_(0, unpadding.indices, x)
+        return out[:slots].unflatten(0, (unpadding.batch, unpadding.seqlen))
     out = x.new_zeros((unpadding.batch, unpadding.seqlen) + tuple(x.shape[1:]))
     # In place through a flat view: fine under autograd (the zeros are no leaf), saves a full
     # copy, and leaves `out` itself no view (FSDP2 warns about modules that return views).
