@@ -1,9 +1,111 @@
-"""CUDA-graph capture of an encoder's inference forward, for small-batch latency.
+"""CUDA graphs for the encoder's inference forward: automatic (``cuda_graphs=True``) or manual.
 
-At small batch (the B = 1, L = 128 latency goal) an eager forward can spend more time
-launching its kernels from Python than running them. A CUDA graph records the launches once
-and replays them all with one call. ``capture_encoder`` takes the steps a capture needs
-(warmup, static input buffers, the input check kept out of the graph) and returns a callable::
+At small batch and short sequences an eager forward spends more time launching its kernels
+from Python than running them. A CUDA graph records the launches once and replays them all
+with one call. The motivating measurement (H100, torch 2.11, BERT-base bf16,
+../shared/gpu-runs/h100-2026-11-23/SUMMARY.md sections 2 and 4): at B1 L128 the eager fast
+path took 12.60 ms and the eager reference 7.94 ms, while the same fast kernels replayed from a
+graph took 0.556 ms (triton backend; 0.608 cuda, 0.783 torch); at B32 L128 with mixed lengths
+8.60 ms (reference) against 1.86 ms; at B128 L128 12.12 against 6.57 ms. Those graphs were made
+with ``capture_encoder`` (below) after ``pack_qkv_()`` with ``check_inputs=False``; the
+automatic path replays the same kind of graph but adds host work per call (next paragraphs) and
+**has not run on a GPU yet**: its logic is tested on the CPU with the capture step stubbed
+(tests/test_cuda_graph.py), its GPU tests wait for a GPU.
+
+Automatic: ``FastBERTEncoder(..., cuda_graphs=True)`` (or ``bert_fast.optimize(model,
+cuda_graphs=True)``)::
+
+    encoder = FastBERTEncoder(..., cuda_graphs=True).cuda().eval()
+    with torch.inference_mode():                 # or torch.no_grad(), or frozen parameters
+        out = encoder(tokens, segments, valid_lens)  # any B, L: the first call of a shape
+                                                      # bucket captures, later calls replay
+
+When it replays (``graphed_forward``): CUDA inputs, the encoder and every submodule in eval
+mode, and autograd not recording, i.e. ``torch.is_grad_enabled()`` is False (``no_grad``,
+``inference_mode``) or no parameter requires grad (gradients cannot flow through a replay).
+Otherwise the call runs the eager forward, with one CudaGraphFallbackWarning per encoder and
+reason ("device", "training", "autograd", "parameters": tensor subclasses such as FSDP's
+DTensors, "capture": a capture that failed, after which its bucket stays eager). While
+torch.compile or torch.jit traces, and inside someone else's capture, the eager forward runs
+silently (the caller records it).
+
+Buckets. B and L are rounded up (``bucket_batch``, ``bucket_seqlen``): L to a multiple of 16
+up to 128, then 4 buckets per octave (160, 192, 224, 256, 320, 384, 448, 512, 640, ...), never
+beyond the position table (``pos_embedding.shape[1]``); B to 1, 2, 4, 8, then 4 per octave
+(10, 12, 14, 16, 20, 24, 28, 32, 40, ...). Padding wastes under 25% of a dimension past the
+small sizes, where the shapes are host-bound and extra rows cost little GPU time, and a few
+dozen buckets cover every shape up to L 512 and B 256, so a workload with varying shapes
+reuses a handful of graphs. The extra rows and columns are masked and sliced off:
+None valid_lens become full-length 1-D lengths, 1-D and 2-D valid_lens are clamped to the real
+L (key j is visible iff float32(j) < valid_len, so padded keys stay invisible; NaN stays NaN;
+fp16/bf16 lengths are held in float32, exactly, as the attention compares them), extra batch
+rows get length 0, extra query rows of 2-D lengths 0, extra tokens and segments id 0; the
+output's [:B, :L] is returned as a fresh tensor (the graph's own output is overwritten by the
+next replay). One exception: in exact mode a row that sees no key (valid_len <= 0 or NaN)
+attends uniformly to all L keys, so padding L would change it. A call with valid_lens whose L
+is not a bucket length therefore reads on the host whether every row sees a key (one sync) and
+runs at its exact L when one does not; pad batches to bucket lengths to skip that read.
+
+skip_padding. One host read per call of the number N of valid tokens (``float32(j) <
+valid_len``), rounded up by ``bucket_tokens`` (multiples of 16 up to 128, then 4 per octave,
+at most B_b * L_b), part of the key; the graph captures ``_forward(..., num_tokens=N_b)``,
+which sizes everything after the unpadding by N_b, so padded tokens stay out of the GEMMs and
+only the N_b - N < N/4 + 16 filler rows are extra. None valid_lens run the skip_padding path
+with every token valid (N = B * L, no read).
+
+Results equal the eager call's at every position the eager call defines (skip_padding: zeros
+at padded positions, as eager): bit for bit when B and L are bucket sizes (same kernels, same
+launch parameters), else within the arithmetic's rounding, because cuBLAS may choose another
+algorithm (or split) for the padded GEMM sizes and the kernels' blocks cover other ranges: the
+tests allow the fp32 floor 1e-4 of ../shared/STYLE.md, and bf16 the rule there (error against
+fp32 at most twice the eager bf16 call's, plus 5e-2).
+
+Keys. A graph is looked up by everything the captured work depends on: the bucketed shapes
+(B_b, L_b, N_b), the valid_lens buffer's shape and dtype (None shares 1-D int64's graphs),
+the tokens' and segments' dtypes, the device, the encoder's dtype, resolved backend and
+skip_padding, and the global settings the kernels read (float32 matmul precision, reduced-
+precision reductions, SDPA backends). Parameters: a graph reads parameter memory, so in-place
+updates (``load_state_dict``, optimizer steps, ``p.mul_()``) are seen by later replays, while
+parameters replaced by other tensors (``.to()``, ``.cuda()``, ``load_state_dict(assign=True)``,
+``module.weight = nn.Parameter(...)``, ``p.data = ...``, ``pack_qkv_()`` moving them, a
+submodule replaced, a block appended) must invalidate the graphs. Each call compares the
+module tree (children, parameters and buffers by identity, tensors by ``data_ptr``, child
+counts) with a snapshot taken at capture: measured on the CI machine's CPU (2 cores, Python
+3.11) for a 12-layer encoder (195 parameters, 196 modules), 28 us per call, 10 us of it the 195
+``data_ptr()`` reads (a hook could not replace them: ``p.data = ...`` and ``.to()`` swap the
+memory under the same Parameter without any hook). The replay it guards is asynchronous and
+its 12 layers of kernels take longer than that on the GPU. Any difference drops every graph of
+the encoder. Not followed: attributes changed by hand on submodules (activation,
+eps, num_heads, hooks added after capture): call ``clear_cuda_graphs(encoder)`` after those.
+
+Memory and cost. The first call of a bucket runs 3 eager warmup forwards on a side stream
+(Triton autotuning for new shapes happens there), then captures (``torch.cuda.graph`` first
+synchronises and empties PyTorch's cache), then replays: expect tens of milliseconds per new
+bucket for BERT-base, more when kernels autotune. A bucket holds its static inputs and output
+(B_b * L_b * (2 id + H) elements); the graphs of one encoder share one memory pool, so their
+activations overlap (the pool grows to the largest forward's activations, not their sum): the
+graphs replay one at a time, on the caller's current stream (a call from another stream than
+the previous one first waits for that stream). At most ``encoder.max_cuda_graphs`` graphs are
+kept (default DEFAULT_MAX_GRAPHS = 8; set the attribute to change it), least recently used
+evicted first; ``clear_cuda_graphs(encoder_or_model)`` drops them all (and forgets failed
+captures and given warnings); ``torch.cuda.empty_cache()`` then returns the memory to the
+driver. ``cuda_graph_stats(encoder)`` shows the buckets held and counts captures, replays,
+evictions, invalidations and eager calls.
+
+Per call, a replay costs on the host: the snapshot check above, the input check when
+``encoder.check_inputs`` (run eagerly before the replay, one sync; turned off during capture),
+the host read of skip_padding, or of exact calls with valid_lens at an L between buckets, three
+or four small copies into the static buffers, the replay and the output copy. Measured on the
+CI machine's CPU with the replay stubbed out (12 layers, B1 L128, check_inputs=False): 47 us per
+call with 1-D valid_lens, 58 us with skip_padding's count; on a GPU each copy adds a launch.
+
+One caller at a time per encoder: calls share the encoder's static buffers and its graphs'
+pool, so two threads must not call the same encoder at once (use one encoder per thread);
+graphs are captured in "thread_local" error mode, so other threads' CUDA work does not break a
+capture.
+
+Manual: ``capture_encoder`` takes the steps a capture needs (warmup, static input buffers, the
+input check kept out of the graph) for one fixed shape and returns a callable::
 
     from bert_fast.cuda_graph import capture_encoder
 
@@ -13,16 +115,17 @@ and replays them all with one call. ``capture_encoder`` takes the steps a captur
     graphed = capture_encoder(encoder, tokens, segments, valid_lens)
     out = graphed(tokens2, segments2, valid_lens2)     # same shapes, dtypes and device
 
-Constraints (they all come from the graph replaying fixed work on fixed memory):
+Constraints of capture_encoder (they all come from the graph replaying fixed work on fixed memory):
 
 * Static shapes. A graph replays one shape: every call must pass tensors of the captured
   shapes, dtypes and device, and valid_lens must be None exactly when it was None at
   capture. Pad each batch to the captured B and L (extra rows: any valid ids, then drop
   their output rows) and pass the real lengths in ``valid_lens``; the exact path masks
   padded keys as usual. For several sizes capture one graph per shape (e.g. per L bucket).
-* ``skip_padding`` cannot be captured with ``valid_lens``: it counts each sequence's valid
-  tokens on the host, and the sizes of everything after that depend on the data. Capture
-  with ``skip_padding=False``.
+* ``skip_padding`` cannot be captured with ``valid_lens`` by capture_encoder: the forward
+  counts each sequence's valid tokens on the host, and the sizes of everything after that
+  depend on the data. Capture with ``skip_padding=False``, or use ``cuda_graphs=True``,
+  which bounds the count by a bucket.
 * Memory. The graph keeps a private memory pool holding one forward's activations and its
   output, for as long as the returned object lives (``del`` it to give the memory back).
   Graphs for several shapes can share a pool (``pool=torch.cuda.graph_pool_handle()``, or
@@ -48,16 +151,29 @@ returning one tensor are supported: FastBERTEncoder and the reference
 are ``torch.cuda.make_graphed_callables``' job.
 """
 
+import collections
 import contextlib
+import gc
+import sys
+import threading
+import warnings
+import weakref
 
 import torch
 from torch import nn
 
+from .backend import backend_for
 from .reference import BERTModel
 
-__all__ = ["capture_encoder", "GraphedEncoder", "graphed_forward"]
+__all__ = ["capture_encoder", "GraphedEncoder", "graphed_forward", "clear_cuda_graphs", "cuda_graph_stats",
+           "bucket_batch", "bucket_seqlen", "bucket_tokens", "CudaGraphFallbackWarning", "DEFAULT_MAX_GRAPHS"]
 
 _INPUT_NAMES = ("tokens", "segments", "valid_lens")
+
+# Graphs an encoder keeps unless its ``max_cuda_graphs`` attribute says otherwise.
+DEFAULT_MAX_GRAPHS = 8
+# Eager calls on the capture stream before each automatic capture (capture_encoder's default).
+WARMUP_ITERS = 3
 
 # One capture stream per device, reused by every capture, so that graphs sharing a memory
 # pool were captured on the same stream (torch.cuda.graph asks for that), and a capture on
@@ -83,19 +199,89 @@ def _validate_if_asked(encoder, inputs):
 
 
 @contextlib.contextmanager
-def _module_checks_off(encoder):
-    """Turn the module's own input check off (its host sync cannot be captured), restoring
-    the attribute afterwards, also when warmup or capture fails. A module without the
-    attribute is left without it."""
-    if not hasattr(encoder, "check_inputs"):
-        yield
-        return
-    saved = encoder.check_inputs
-    encoder.check_inputs = False
+def _attributes_set(module, **values):
+    """Set the module's attributes that it has to ``values`` (e.g. its input check off: its
+    host sync cannot be captured), restoring them afterwards, also when warmup or capture
+    fails. Attributes the module does not have are left absent."""
+    saved = {name: getattr(module, name) for name in values if hasattr(module, name)}
+    for name in saved:
+        setattr(module, name, values[name])
     try:
         yield
     finally:
-        encoder.check_inputs = saved
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def _module_checks_off(encoder):
+    """The module's own input check off (see _attributes_set)."""
+    return _attributes_set(encoder, check_inputs=False)
+
+
+@contextlib.contextmanager
+def _gc_disabled():
+    """Python's cyclic GC off during a capture: it can finalise a Triton CompiledKernel, whose
+    destructor unloads a CUDA module, which invalidates the capture (triton-lang/triton#10712;
+    bert_fast.kernel_bench does the same)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _end_failed_capture(device, pool):
+    """Leave the allocator and the device usable after a capture into ``pool`` failed.
+
+    Up to at least torch 2.11, CUDAGraph.capture_end raises on an invalidated capture before it
+    tells the caching allocator (pytorch/pytorch#180395); the allocator then believes a capture
+    is still under way and the next empty_cache(), which every torch.cuda.graph entry calls,
+    fails an internal assert, so no later capture could succeed. Where capture_end did tell it,
+    this call raises "not currently recording" and is ignored (bert_fast.kernel_bench's fix).
+    The synchronize reports, and so clears, a non-sticky capture error."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is not None:
+        try:
+            end(device.index if device.index is not None else torch.cuda.current_device(), pool)
+        except Exception:
+            pass
+    try:
+        torch.cuda.synchronize(device)
+    except Exception:
+        pass
+
+
+def _warmup_and_capture(run, device, pool, warmup_iters, capture_error_mode="global"):
+    """``warmup_iters`` eager calls of ``run()`` on the device's capture stream, then one captured
+    into a new CUDAGraph in ``pool``: returns (graph, run's output in the pool).
+
+    The caller's stream waits for the warmup, and the capture stream for the caller's earlier
+    work (the static inputs are written there). Whatever warmup or capture raises is raised
+    again, after a failed capture has been ended for the allocator (_end_failed_capture). Our
+    own stream context encloses torch.cuda.graph's: when capture_end raises, graph's __exit__
+    never restores the caller's stream, this context still does.
+    """
+    with torch.cuda.device(device):
+        stream = _capture_stream(device)
+        current = torch.cuda.current_stream(device)
+        stream.wait_stream(current)
+        try:
+            with torch.cuda.stream(stream):
+                for _ in range(warmup_iters):
+                    run()
+                graph = torch.cuda.CUDAGraph()
+                try:
+                    with _gc_disabled(), torch.cuda.graph(graph, pool=pool, stream=stream,
+                                                          capture_error_mode=capture_error_mode):
+                        output = run()
+                except BaseException:
+                    _end_failed_capture(device, pool)
+                    raise
+        finally:
+            current.wait_stream(stream)
+    return graph, output
 
 
 def _require_one_cuda_device(encoder, inputs):
@@ -182,16 +368,12 @@ def capture_encoder(encoder, tokens, segments, valid_lens=None, *, warmup_iters=
         with torch.inference_mode(False):
             static_inputs = tuple(None if t is None else t.detach().clone(memory_format=torch.contiguous_format)
                                   for t in inputs)
-        stream = _capture_stream(device)
-        graph = torch.cuda.CUDAGraph()
-        with _module_checks_off(encoder), torch.inference_mode():
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                for _ in range(warmup_iters):
-                    encoder(*static_inputs)
-            torch.cuda.current_stream(device).wait_stream(stream)
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                static_output = encoder(*static_inputs)
+    # cuda_graphs off too: an encoder made with cuda_graphs=True must run its eager forward here,
+    # not capture graphs of its own during the warmup.
+    with _attributes_set(encoder, check_inputs=False, cuda_graphs=False), torch.inference_mode():
+        graph, static_output = _warmup_and_capture(
+            lambda: encoder(*static_inputs), device,
+            pool if pool is not None else torch.cuda.graph_pool_handle(), warmup_iters)
     if not isinstance(static_output, torch.Tensor):
         raise TypeError(f"capture_encoder needs a module whose forward returns one tensor; "
                         f"{type(encoder).__name__} returned {type(static_output).__name__}")
@@ -262,6 +444,438 @@ def _check_matches_captured(name, given, static):
                          f"{', '.join(fixes)}, or capture another graph")
 
 
+
+# ---------------------------------------------------------------------------------------------
+# Automatic graphs: FastBERTEncoder(cuda_graphs=True)
+# ---------------------------------------------------------------------------------------------
+
+class CudaGraphFallbackWarning(UserWarning):
+    """A cuda_graphs=True encoder ran its eager forward instead of a CUDA graph (given once per
+    encoder and reason)."""
+
+
+def _next_power_of_two(n):
+    return 1 << (n - 1).bit_length()
+
+
+def _round_up(n, step):
+    return -(-n // step) * step
+
+
+def _four_per_octave(n, min_step):
+    """``n`` (>= 1) rounded up to a multiple of max(min_step, next_power_of_two(n) / 8): steps of
+    ``min_step`` up to 8 * min_step, then 4 buckets per power of two (less than 25% added)."""
+    return _round_up(n, max(min_step, _next_power_of_two(n) // 8))
+
+
+def bucket_batch(batch):
+    """The graph batch for ``batch`` rows: 1, 2, 4, 8, then 10, 12, 14, 16, 20, 24, 28, 32, 40, ..."""
+    return _next_power_of_two(batch) if batch <= 8 else _four_per_octave(batch, 1)
+
+
+def bucket_seqlen(seqlen, max_len):
+    """The graph length for ``seqlen``: multiples of 16 up to 128, then 160, 192, 224, 256, 320,
+    ..., at most ``max_len`` (the position table), never below ``seqlen``."""
+    return max(seqlen, min(_four_per_octave(seqlen, 16), max_len))
+
+
+def bucket_tokens(num_tokens, limit):
+    """The static token count (skip_padding) for ``num_tokens`` valid tokens: multiples of 16 up
+    to 128 (16 for none), then 4 per octave, at most ``limit`` (B_b * L_b, every slot)."""
+    return min(_four_per_octave(max(num_tokens, 1), 16), limit)
+
+
+class _CudaGraphSteps:
+    """What graphed_forward does with the device: which devices have graphs, memory pools,
+    capture, stream order. One object so that tests replace it with a stub that "captures" on
+    the CPU (tests/test_cuda_graph.py) and run all the rest of the machinery there."""
+
+    def supports(self, device):
+        return device.type == "cuda"
+
+    def capturing(self, device):
+        """Whether a capture is under way on the current stream (someone else's)."""
+        return torch.cuda.is_current_stream_capturing()
+
+    def new_pool(self, device):
+        return torch.cuda.graph_pool_handle()
+
+    def capture(self, run, device, pool):
+        """(graph, output): graph.replay() reruns what run() did, writing the output in place."""
+        return _warmup_and_capture(run, device, pool, WARMUP_ITERS, capture_error_mode="thread_local")
+
+    def order_after(self, previous, device):
+        """The caller's current stream, made to wait for ``previous`` (the stream of the last
+        replay) when it is another one: graphs sharing a pool and buffers must not overlap."""
+        stream = torch.cuda.current_stream(device)
+        if previous is not None and previous != stream:
+            stream.wait_stream(previous)
+        return stream
+
+
+_steps = _CudaGraphSteps()
+
+
+class _ModuleSnapshot:
+    """The encoder's module tree as a capture saw it: children, parameters and buffers by
+    identity, tensors by address, and child counts (a block appended to ``blks``). The graphs
+    read the tensors' memory, so they are valid while ``check()`` finds all of it unchanged."""
+
+    def __init__(self, encoder):
+        self.counts, self.children, self.tensors = [], [], []
+        for module in encoder.modules():
+            table = module._modules
+            if table:
+                self.counts.append((table, len(table)))
+                self.children.extend((table, name, child) for name, child in table.items())
+            for table in (module._parameters, module._buffers):
+                for name, t in table.items():
+                    if t is not None and type(t) not in (torch.Tensor, nn.Parameter):
+                        raise TypeError(f"{type(t).__name__} {name!r}")
+                    self.tensors.append((table, name, t, 0 if t is None else t.data_ptr()))
+        self.params = tuple(encoder.parameters())
+
+    def check(self):
+        """None if unchanged, "training" if a submodule is in training mode, else "changed"."""
+        for table, count in self.counts:
+            if len(table) != count:
+                return "changed"
+        for table, name, child in self.children:
+            if table.get(name) is not child:
+                return "changed"
+            if child.training:
+                return "training"
+        for table, name, t, address in self.tensors:
+            if table.get(name) is not t or (t is not None and t.data_ptr() != address):
+                return "changed"
+        return None
+
+
+class _Bucket(collections.namedtuple("_Bucket", "batch seqlen num_tokens lengths_shape lengths_dtype")):
+    """The padded shapes a graph runs: B_b, L_b, N_b (skip_padding, else None), and the shape
+    and dtype of its valid_lens buffer."""
+
+
+class _BucketGraph:
+    """One captured bucket: the graph, the static buffers it reads and the output it writes.
+    ``filled``: the (B, L) the buffers hold (the rest is zeros); ``full_lengths``: the valid_lens
+    buffer holds full lengths L for B rows (what None turns into), so the next such call of the
+    same B and L writes nothing there."""
+
+    def __init__(self, tokens, segments, valid_lens):
+        self.tokens, self.segments, self.valid_lens = tokens, segments, valid_lens
+        self.graph = self.output = None
+        self.filled = None
+        self.full_lengths = False
+
+    def fill(self, tokens, segments, valid_lens, clamp):
+        batch, seqlen = tokens.shape
+        if self.filled != (batch, seqlen):
+            if self.filled is not None:    # a smaller call must not leave ids or lengths behind
+                for buffer in (self.tokens, self.segments, self.valid_lens):
+                    buffer.zero_()
+            self.filled, self.full_lengths = (batch, seqlen), False
+        self.tokens[:batch, :seqlen].copy_(tokens)
+        self.segments[:batch, :seqlen].copy_(segments)
+        if valid_lens is None:
+            if not self.full_lengths:
+                self.valid_lens[:batch].fill_(seqlen)
+                self.full_lengths = True
+            return
+        lengths = self.valid_lens[:batch] if valid_lens.dim() == 1 else self.valid_lens[:batch, :seqlen]
+        lengths.copy_(valid_lens)
+        self.full_lengths = False
+        if clamp:                          # padded keys invisible: float32(j) < L <= j
+            lengths.clamp_(max=seqlen)
+
+
+class _EncoderGraphs:
+    """An encoder's graphs (LRU order), failed keys, warnings given, parameter snapshot, pool,
+    last replay stream and counters. Kept beside the encoder (a weak-keyed table), not on it,
+    so that deepcopy, pickling and state_dict never meet a CUDAGraph; it references no module."""
+
+    def __init__(self):
+        self.graphs = collections.OrderedDict()
+        self.failed = set()
+        self.warned = set()
+        self.snapshot = None
+        self.pool = None
+        self.stream = None
+        self.stats = collections.Counter()
+
+    def drop_graphs(self):
+        self.graphs.clear()
+        self.pool = self.stream = None
+
+
+_states = weakref.WeakKeyDictionary()
+_states_lock = threading.Lock()
+
+
+def _state_of(encoder):
+    state = _states.get(encoder)
+    if state is None:
+        with _states_lock:
+            state = _states.setdefault(encoder, _EncoderGraphs())
+    return state
+
+
+_FALLBACK_MESSAGES = {
+    "device": "its inputs are on {device}; CUDA graphs need CUDA tensors",
+    "training": "it (or a submodule) is in training mode; CUDA graphs serve inference only (call .eval())",
+    "autograd": ("autograd is recording (grad mode is on and parameters require grad) and a replay "
+                 "cannot give gradients; call it under torch.inference_mode() or torch.no_grad(), or "
+                 "freeze the parameters, to replay graphs"),
+    "parameters": "its parameters or buffers include a tensor subclass ({detail}), whose memory a graph cannot follow",
+    "capture": ("capturing the CUDA graph of bucket {detail} failed ({error}); that bucket runs eagerly "
+                "from now on (bert_fast.cuda_graph.clear_cuda_graphs(encoder) to try again)"),
+}
+
+
+def _caller_stacklevel():
+    """warnings.warn's stacklevel, for the function calling this one, that points at the first
+    frame outside bert_fast and torch (the user's call of the encoder or the model)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in ("bert_fast", "torch"):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _fall_back(encoder, state, reason, **details):
+    """Count an eager call for ``reason``; warn the first time for this encoder."""
+    state.stats[f"eager_{reason}"] += 1
+    if reason not in state.warned:
+        state.warned.add(reason)
+        message = _FALLBACK_MESSAGES[reason].format(**details)
+        warnings.warn(f"{type(encoder).__name__}(cuda_graphs=True) runs its eager forward: {message}",
+                      CudaGraphFallbackWarning, stacklevel=_caller_stacklevel())
+
+
+def _eager(encoder, state, reason, inputs, **details):
+    _fall_back(encoder, state, reason, **details)
+    return encoder._forward(*inputs)
+
+
+def _eager_checked(encoder, inputs):
+    """The eager forward of inputs validated already (no second input check)."""
+    with _module_checks_off(encoder):
+        return encoder._forward(*inputs)
+
+
+def _is_ids(t):
+    return isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_floating_point() and not t.is_complex() \
+        and t.dtype != torch.bool
+
+
+def _understood(tokens, segments, valid_lens):
+    """Whether the inputs have the forms graphed_forward pads (else the eager forward runs and
+    raises its own error, or does what it does with them)."""
+    if not (_is_ids(tokens) and _is_ids(segments) and segments.shape == tokens.shape
+            and segments.device == tokens.device and tokens.numel() > 0):
+        return False
+    if valid_lens is None:
+        return True
+    return (isinstance(valid_lens, torch.Tensor) and valid_lens.device == tokens.device
+            and valid_lens.dtype != torch.bool and not valid_lens.is_complex()
+            and valid_lens.shape in (tokens.shape[:1], tokens.shape))
+
+
+def _settings(encoder, device):
+    """What the captured kernels depend on beyond the shapes: the encoder's dtype, backend and
+    mode, and the global switches read while launching (matmul precision, SDPA backends)."""
+    cuda = torch.backends.cuda
+    return (encoder.pos_embedding.dtype, backend_for(encoder.backend, device), bool(encoder.skip_padding),
+            torch.get_float32_matmul_precision(), cuda.matmul.allow_fp16_reduced_precision_reduction,
+            cuda.matmul.allow_bf16_reduced_precision_reduction, cuda.flash_sdp_enabled(),
+            cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled(), cuda.cudnn_sdp_enabled())
+
+
+def _lengths_dtype(valid_lens):
+    """The valid_lens buffer's dtype: None -> int64 (full lengths); fp16/bf16 -> float32, which
+    holds them exactly and is what the attention compares them in (clamping to L in fp16/bf16
+    could round L); the rest as given."""
+    if valid_lens is None:
+        return torch.int64
+    if valid_lens.dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return valid_lens.dtype
+
+
+def _needs_clamp(dtype, seqlen, padded_seqlen):
+    """Lengths above L would make padded keys (and, skip_padding, tokens) visible; an integer
+    dtype whose maximum is <= L holds none."""
+    if padded_seqlen == seqlen:
+        return False
+    return dtype.is_floating_point or torch.iinfo(dtype).max > seqlen
+
+
+def _plan(encoder, tokens, valid_lens):
+    """The bucket of a call; at most one host read (see the module docstring)."""
+    batch, seqlen = tokens.shape
+    padded_batch = bucket_batch(batch)
+    padded_seqlen = bucket_seqlen(seqlen, encoder.pos_embedding.shape[1])
+    num_tokens = None
+    if encoder.skip_padding:
+        if valid_lens is None:
+            count = batch * seqlen
+        else:
+            positions = torch.arange(seqlen, dtype=torch.float32, device=valid_lens.device)
+            count = int((positions < valid_lens[:, None]).sum())       # the one host read
+        num_tokens = bucket_tokens(count, padded_batch * padded_seqlen)
+    elif valid_lens is not None and padded_seqlen > seqlen and not bool((valid_lens > 0).all()):
+        padded_seqlen = seqlen     # a row that sees no key attends to all L keys: keep L exact
+    dtype = _lengths_dtype(valid_lens)
+    shape = (padded_batch,) if valid_lens is None or valid_lens.dim() == 1 else (padded_batch, padded_seqlen)
+    return _Bucket(padded_batch, padded_seqlen, num_tokens, shape, dtype)
+
+
+def _describe_bucket(bucket):
+    tokens = "" if bucket.num_tokens is None else f", num_tokens {bucket.num_tokens}"
+    return (f"(batch {bucket.batch}, seq_len {bucket.seqlen}{tokens}, valid_lens {tuple(bucket.lengths_shape)} "
+            f"{bucket.lengths_dtype})")
+
+
+def _max_graphs(encoder):
+    limit = getattr(encoder, "max_cuda_graphs", DEFAULT_MAX_GRAPHS)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"max_cuda_graphs must be an int >= 1 (graphs kept per encoder), got {limit!r}; "
+                         f"set cuda_graphs = False to run without graphs")
+    return limit
+
+
+def _capture(encoder, state, key, bucket, inputs, clamp, limit):
+    """Capture ``key``'s graph (evicting the least recently used down to ``limit`` - 1) and keep
+    it; returns the entry. Raises what warmup or capture raised; nothing is kept then."""
+    while len(state.graphs) >= limit:
+        state.graphs.popitem(last=False)
+        state.stats["evictions"] += 1
+    tokens, segments, _ = inputs
+    device = tokens.device
+    # Ordinary tensors even in inference mode: every call copies into them (see capture_encoder).
+    with torch.inference_mode(False):
+        entry = _BucketGraph(torch.zeros((bucket.batch, bucket.seqlen), dtype=tokens.dtype, device=device),
+                             torch.zeros((bucket.batch, bucket.seqlen), dtype=segments.dtype, device=device),
+                             torch.zeros(bucket.lengths_shape, dtype=bucket.lengths_dtype, device=device))
+        entry.fill(*inputs, clamp)
+    static = (entry.tokens, entry.segments, entry.valid_lens)
+    extra = {} if bucket.num_tokens is None else {"num_tokens": bucket.num_tokens}
+
+    def run():
+        with _module_checks_off(encoder):      # its host sync cannot be captured
+            return encoder._forward(*static, **extra)
+
+    if state.pool is None:
+        state.pool = _steps.new_pool(device)
+    state.stats["captures"] += 1
+    with torch.inference_mode():
+        entry.graph, entry.output = _steps.capture(run, device, state.pool)
+    state.graphs[key] = entry
+    return entry
+
+
 def graphed_forward(encoder, tokens, segments, valid_lens=None):
-    """FastBERTEncoder's forward with ``cuda_graphs=True``: not written yet, runs eagerly."""
-    return encoder._forward(tokens, segments, valid_lens)
+    """FastBERTEncoder's forward with ``cuda_graphs=True``: replay the CUDA graph of the call's
+    shape bucket, capturing it on the bucket's first call; the eager ``encoder._forward`` where
+    graphs do not apply. See the module docstring."""
+    inputs = (tokens, segments, valid_lens)
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or not _understood(*inputs):
+        return encoder._forward(*inputs)
+    state = _state_of(encoder)
+    device = tokens.device
+    if not _steps.supports(device):
+        return _eager(encoder, state, "device", inputs, device=device)
+    if _steps.capturing(device):
+        return encoder._forward(*inputs)        # the outer capture records the eager forward
+    if encoder.training:
+        return _eager(encoder, state, "training", inputs)
+    snapshot = state.snapshot
+    problem = snapshot.check() if snapshot is not None else "changed"
+    if problem == "changed":
+        if state.graphs:
+            state.stats["invalidations"] += 1
+        state.drop_graphs()
+        try:
+            snapshot = state.snapshot = _ModuleSnapshot(encoder)
+        except TypeError as error:
+            state.snapshot = None
+            return _eager(encoder, state, "parameters", inputs, detail=error)
+        problem = snapshot.check()
+    if problem == "training":
+        return _eager(encoder, state, "training", inputs)
+    if torch.is_grad_enabled() and any(p.requires_grad for p in snapshot.params):
+        return _eager(encoder, state, "autograd", inputs)
+    seqlen = tokens.shape[1]
+    if ((encoder.skip_padding and valid_lens is not None and valid_lens.dim() != 1)
+            or seqlen > encoder.pos_embedding.shape[1] or encoder.pos_embedding.device != device):
+        return encoder._forward(*inputs)        # not graphable as asked: eager raises what is wrong
+
+    if encoder.check_inputs:
+        encoder.validate_inputs(*inputs)
+    bucket = _plan(encoder, tokens, valid_lens)
+    key = (bucket, tokens.dtype, segments.dtype, device, _settings(encoder, device))
+    if key in state.failed:
+        state.stats["eager_capture"] += 1
+        return _eager_checked(encoder, inputs)
+    clamp = valid_lens is not None and _needs_clamp(bucket.lengths_dtype, seqlen, bucket.seqlen)
+    with torch.no_grad():      # a float valid_lens that requires grad must not reach the buffers' autograd
+        entry = state.graphs.get(key)
+        if entry is not None:
+            state.graphs.move_to_end(key)
+            state.stream = _steps.order_after(state.stream, device)
+            entry.fill(tokens, segments, valid_lens, clamp)
+        else:
+            limit = _max_graphs(encoder)
+            state.stream = _steps.order_after(state.stream, device)
+            try:
+                entry = _capture(encoder, state, key, bucket, inputs, clamp, limit)
+                error = None
+            except Exception as caught:
+                error = caught
+            if error is not None:
+                # Eager first: if it fails too, the inputs were the problem and the bucket stays
+                # graphable (its exception propagates); else the capture was, and the bucket is
+                # not captured again.
+                out = _eager_checked(encoder, inputs)
+                state.failed.add(key)
+                line = (f"{type(error).__name__}: {error}".strip().splitlines() or [type(error).__name__])[0]
+                _fall_back(encoder, state, "capture", detail=_describe_bucket(bucket), error=line[:300])
+                return out
+        state.stats["replays"] += 1
+        entry.graph.replay()
+        batch = tokens.shape[0]
+        return entry.output[:batch, :seqlen].clone(memory_format=torch.contiguous_format)
+
+
+def clear_cuda_graphs(module):
+    """Drop the CUDA graphs of ``module`` and of every encoder inside it (a FastBERTModel, any
+    model that holds encoders), with their failed captures, given warnings and counters; the next
+    calls capture again. Returns the number of graphs dropped. Their memory goes back to
+    PyTorch's caching allocator (``torch.cuda.empty_cache()`` hands it to the driver)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"clear_cuda_graphs expects an nn.Module, got {type(module).__name__}")
+    dropped = 0
+    for submodule in module.modules():
+        state = _states.pop(submodule, None)
+        if state is not None:
+            dropped += len(state.graphs)
+            state.drop_graphs()
+    return dropped
+
+
+def cuda_graph_stats(encoder):
+    """What ``encoder``'s automatic graphs did: ``buckets`` (one dict per graph held, least
+    recently used first: batch, seq_len, num_tokens, valid_lens shape and dtype, tokens dtype,
+    device), ``failed`` (buckets whose capture failed), and counters: captures, replays,
+    evictions, invalidations, and eager_<reason> for each fallback reason."""
+    state = _states.get(encoder)
+    if state is None:
+        return {"buckets": [], "failed": []}
+
+    def describe(key):
+        bucket, tokens_dtype, _, device, _ = key
+        return dict(batch=bucket.batch, seq_len=bucket.seqlen, num_tokens=bucket.num_tokens,
+                    valid_lens_shape=tuple(bucket.lengths_shape), valid_lens_dtype=bucket.lengths_dtype,
+                    tokens_dtype=tokens_dtype, device=device)
+
+    return {"buckets": [describe(key) for key in state.graphs], "failed": [describe(key) for key in state.failed],
+            **state.stats}

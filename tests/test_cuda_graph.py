@@ -1,22 +1,36 @@
-"""capture_encoder: CUDA-graph replay of the encoder's inference forward.
+"""bert_fast.cuda_graph: capture_encoder (manual, one shape) and graphed_forward (automatic,
+FastBERTEncoder(cuda_graphs=True), shape buckets).
 
-The argument checks run on the CPU; everything that captures a graph needs a GPU. On the GPU
-the graphed call is compared with the eager call of the same module on the same inputs, in
-the same (inference) mode, so the kernels and their launch parameters are the same: bf16 must
-match bit for bit, fp32 within the fp32 floor (it should be bitwise too; the floor only keeps
-the test about the graph, not about cuBLAS heuristics).
+capture_encoder: the argument checks run on the CPU; everything that captures a graph needs a
+GPU. On the GPU the graphed call is compared with the eager call of the same module on the same
+inputs, in the same (inference) mode, so the kernels and their launch parameters are the same:
+bf16 must match bit for bit, fp32 within the fp32 floor (it should be bitwise too; the floor
+only keeps the test about the graph, not about cuBLAS heuristics).
+
+graphed_forward: the whole machinery (buckets, padding and slicing, keys, invalidation, LRU,
+fallbacks, input checks) runs on the CPU with cuda_graph._steps replaced by a stub whose
+"capture" runs the forward once on the static buffers and whose "replay" runs it again there.
+The padded call may sum in another order than the eager one (other GEMM sizes): fp32 within
+the fp32 floor 1e-4. On the GPU the same with real graphs, every backend, exact and
+skip_padding, fp32 (floor) and bf16 (STYLE.md's rule against the fp32 encoder).
 """
+
+import copy
+import warnings
 
 import pytest
 import torch
+from torch import nn
 
 import bert_fast.cuda_graph as cuda_graph
 import bert_fast.modules as modules
 from bert_fast import FastBERTEncoder, FastBERTModel
 from bert_fast import reference as R
 from bert_fast.backend import resolve_backend
-from bert_fast.cuda_graph import GraphedEncoder, capture_encoder
-from tests.helpers import BF16_OK, FLOOR, assert_close, encoder_config, max_err, needs_cuda, random_inputs
+from bert_fast.cuda_graph import (CudaGraphFallbackWarning, GraphedEncoder, bucket_batch, bucket_seqlen,
+                                  bucket_tokens, capture_encoder, clear_cuda_graphs, cuda_graph_stats)
+from tests.helpers import (BF16_OK, FLOOR, assert_close, assert_within_rule, encoder_config, max_err, needs_cuda,
+                           random_inputs)
 
 B, L = 3, 37          # L not a multiple of 16
 VOCAB = 50            # encoder_config's default vocab_size
@@ -379,3 +393,808 @@ def test_capture_inside_inference_mode_replay_outside():
     with torch.inference_mode():
         assert_matches_eager(graphed(tokens, segments, valid_lens), eager(encoder, tokens, segments, valid_lens),
                              "replay inside inference mode")
+
+
+# =========================================================================== graphed_forward
+# FastBERTEncoder(cuda_graphs=True): automatic capture per shape bucket.
+
+AUTO_MAX_LEN = 200     # room for L = 130 (bucket 160)
+
+
+class StubGraph:
+    def __init__(self, steps, run, output):
+        self.steps, self.run, self.output = steps, run, output
+
+    def replay(self):
+        self.steps.replays += 1
+        self.steps.active = True
+        try:
+            with torch.inference_mode():      # the static output is an inference tensor, as on the GPU
+                self.output.copy_(self.run())
+        finally:
+            self.steps.active = False
+
+
+class StubSteps:
+    """cuda_graph._steps on the CPU: "capture" runs the forward once on the static buffers and
+    keeps its output; "replay" runs it again there, writing that output in place. ``active``
+    is True while either runs (what the graph would contain); ``fail`` makes captures raise."""
+
+    def __init__(self, fail=False):
+        self.fail = fail
+        self.attempts = self.replays = 0
+        self.active = False
+        self.inference_mode_at_capture = []
+
+    def supports(self, device):
+        return True
+
+    def capturing(self, device):
+        return False
+
+    def new_pool(self, device):
+        return object()
+
+    def order_after(self, previous, device):
+        return None
+
+    def capture(self, run, device, pool):
+        self.attempts += 1
+        self.inference_mode_at_capture.append(torch.is_inference_mode_enabled())
+        if self.fail:
+            raise RuntimeError("simulated capture failure\nsecond line")
+        self.active = True
+        try:
+            output = run()
+        finally:
+            self.active = False
+        return StubGraph(self, run, output), output
+
+
+@pytest.fixture
+def stub(monkeypatch):
+    steps = StubSteps()
+    monkeypatch.setattr(cuda_graph, "_steps", steps)
+    return steps
+
+
+def auto_encoder(**options):
+    options.setdefault("cuda_graphs", True)
+    return FastBERTEncoder(**encoder_config(max_len=AUTO_MAX_LEN), **options).eval()
+
+
+def auto_model():
+    config = encoder_config(max_len=AUTO_MAX_LEN)
+    width = config["num_hiddens"]
+    return FastBERTModel(**config, hid_in_features=width, mlm_in_features=width, nsp_in_features=width,
+                         cuda_graphs=True).eval()
+
+
+def graphed(encoder, tokens, segments, valid_lens=None):
+    with torch.no_grad():
+        return encoder(tokens, segments, valid_lens)
+
+
+def eager_forward(encoder, tokens, segments, valid_lens=None):
+    with torch.no_grad():
+        return encoder._forward(tokens, segments, valid_lens)
+
+
+def lengths(case, batch, seqlen, device="cpu"):
+    """valid_lens of each form. "_pos": every row sees a key (L can be padded in exact mode);
+    "_zero": rows of length 0 or below, which see no key (exact mode keeps L exact)."""
+    def pick(values):
+        return torch.tensor([values[i % len(values)] for i in range(batch)], device=device)
+
+    if case == "none":
+        return None
+    if case == "1d_int_pos":
+        return pick([seqlen, 3, seqlen + 9, 1, 5])
+    if case == "1d_int_zero":
+        return pick([3, 0, seqlen, -2, 6])
+    if case == "1d_float_pos":
+        return pick([2.5, 0.5, seqlen + 3.0, 7.25, 1.0])
+    if case == "1d_float_zero":
+        return pick([0.0, 2.5, seqlen - 0.5, 0.75])
+    if case == "2d_int_pos":
+        return torch.randint(1, seqlen + 3, (batch, seqlen), device=device)
+    if case == "2d_float_zero":
+        return (torch.rand(batch, seqlen, device=device) * (seqlen + 2) - 1).round(decimals=1)
+    raise ValueError(case)
+
+
+LENGTH_CASES = ["none", "1d_int_pos", "1d_int_zero", "1d_float_pos", "1d_float_zero", "2d_int_pos", "2d_float_zero"]
+
+
+def only_bucket(encoder):
+    buckets = cuda_graph_stats(encoder)["buckets"]
+    assert len(buckets) == 1, buckets
+    return buckets[0]
+
+
+def assert_eager_result(actual, expected, what="graphed call"):
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, what
+    assert actual.is_contiguous(), f"{what}: the output is not contiguous"
+    assert_close(actual, expected, atol=FLOOR[torch.float32], what=what)
+
+
+# --------------------------------------------------------------------------- buckets
+
+def test_bucket_batch():
+    table = {1: 1, 2: 2, 3: 4, 5: 8, 8: 8, 9: 10, 15: 16, 16: 16, 17: 20, 31: 32, 33: 40, 100: 112, 129: 160}
+    assert {b: bucket_batch(b) for b in table} == table
+    for batch in range(9, 2000):
+        padded = bucket_batch(batch)
+        assert batch <= padded < 1.25 * batch, batch
+
+
+def test_bucket_seqlen():
+    table = {1: 16, 7: 16, 16: 16, 17: 32, 37: 48, 127: 128, 128: 128, 129: 160, 200: 224, 257: 320, 512: 512,
+             513: 640}
+    assert {n: bucket_seqlen(n, 4096) for n in table} == table
+    assert bucket_seqlen(37, 40) == 40          # never beyond the position table
+    assert bucket_seqlen(37, 37) == 37
+    assert bucket_seqlen(5, 8) == 8
+    assert bucket_seqlen(50, 40) == 50          # an L beyond the table is left to the eager check
+    for seqlen in range(129, 3000):
+        padded = bucket_seqlen(seqlen, 4096)
+        assert seqlen <= padded < 1.25 * seqlen, seqlen
+
+
+def test_bucket_tokens_keeps_padding_out_of_the_gemms():
+    table = {0: 16, 1: 16, 16: 16, 17: 32, 128: 128, 129: 160, 1000: 1024, 1025: 1280}
+    assert {n: bucket_tokens(n, 10 ** 6) for n in table} == table
+    assert bucket_tokens(100, 64) == 64         # at most every slot of the padded batch
+    previous = 0
+    for count in range(1, 20000):
+        padded = bucket_tokens(count, 10 ** 6)
+        assert count <= padded < 1.25 * count + 16 and padded % 16 == 0 and padded >= previous, count
+        previous = padded
+
+
+# --------------------------------------------------------------------------- padding and slicing
+
+@pytest.mark.parametrize("batch,seqlen", [(1, 7), (5, 37), (2, 130)])
+@pytest.mark.parametrize("skip_padding", [False, True], ids=["exact", "skip_padding"])
+@pytest.mark.parametrize("case", LENGTH_CASES)
+def test_graphed_matches_eager(stub, case, skip_padding, batch, seqlen):
+    if skip_padding and case.startswith("2d"):
+        pytest.skip("skip_padding takes 1-D valid_lens (test_skip_padding_rejects_2d_lengths)")
+    encoder = auto_encoder(skip_padding=skip_padding)
+    tokens, segments = random_inputs(batch, seqlen, VOCAB)
+    valid_lens = lengths(case, batch, seqlen)
+    expected = eager_forward(encoder, tokens, segments, valid_lens)
+    assert_eager_result(graphed(encoder, tokens, segments, valid_lens), expected)
+
+    bucket = only_bucket(encoder)
+    sees_no_key = valid_lens is not None and not bool((valid_lens > 0).all())
+    exact_length = sees_no_key and not skip_padding
+    assert bucket["batch"] == bucket_batch(batch)
+    assert bucket["seq_len"] == (seqlen if exact_length else bucket_seqlen(seqlen, AUTO_MAX_LEN))
+    if skip_padding:
+        if valid_lens is None:
+            count = batch * seqlen
+        else:
+            count = int((torch.arange(seqlen, dtype=torch.float32) < valid_lens[:, None]).sum())
+        assert bucket["num_tokens"] == bucket_tokens(count, bucket["batch"] * bucket["seq_len"])
+    else:
+        assert bucket["num_tokens"] is None
+    if skip_padding and valid_lens is not None:        # padded positions are zeros, as eager's
+        positions = torch.arange(seqlen, dtype=torch.float32)
+        padded = ~(positions < valid_lens[:, None])
+        assert torch.equal(expected[padded], torch.zeros_like(expected[padded]))
+
+    # Same bucket, other inputs: the buffers follow (a replay, no capture).
+    tokens, segments = random_inputs(batch, seqlen, VOCAB)
+    assert_eager_result(graphed(encoder, tokens, segments, valid_lens),
+                        eager_forward(encoder, tokens, segments, valid_lens), "second call")
+    assert stub.attempts == 1 and stub.replays == 2
+    stats = cuda_graph_stats(encoder)
+    assert stats["captures"] == 1 and stats["replays"] == 2
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_graphed_matches_eager_per_backend(stub, backend):
+    encoder = auto_encoder(backend=backend)
+    tokens, segments = random_inputs(B, L, VOCAB)
+    for case in ("none", "1d_float_pos", "2d_int_pos"):
+        valid_lens = lengths(case, B, L)
+        assert_eager_result(graphed(encoder, tokens, segments, valid_lens),
+                            eager_forward(encoder, tokens, segments, valid_lens), f"{backend}, {case}")
+
+
+def test_nan_lengths_keep_their_meaning(stub):
+    """Without the input check a NaN length reaches the forward; NaN stays NaN (a row that sees
+    no key), and such a call keeps its exact L."""
+    encoder = auto_encoder(check_inputs=False)
+    tokens, segments = random_inputs(B, L, VOCAB)
+    valid_lens = torch.tensor([float("nan"), 4.5, 40.0])
+    expected = eager_forward(encoder, tokens, segments, valid_lens)
+    assert_eager_result(graphed(encoder, tokens, segments, valid_lens), expected)
+    assert only_bucket(encoder)["seq_len"] == L
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_low_precision_lengths_are_held_in_float32(stub, dtype):
+    encoder = auto_encoder()
+    tokens, segments = random_inputs(B, 200, VOCAB)     # L 200 -> bucket 224; bf16 cannot hold 200.5
+    valid_lens = torch.tensor([199.0, 3.5, 250.0], dtype=dtype)
+    assert_eager_result(graphed(encoder, tokens, segments, valid_lens),
+                        eager_forward(encoder, tokens, segments, valid_lens))
+    assert only_bucket(encoder)["valid_lens_dtype"] == torch.float32
+
+
+def test_smaller_call_in_the_same_bucket_leaves_nothing_behind(stub):
+    """(4, 40) then (3, 33): same bucket (4, 48); the second call must not see the first's
+    fourth row or columns 33-39 (under skip_padding a stale length would add tokens)."""
+    for skip_padding in (False, True):
+        encoder = auto_encoder(skip_padding=skip_padding)
+        for batch, seqlen, case in ((4, 40, "1d_int_pos"), (3, 33, "1d_int_pos"), (3, 33, "none"),
+                                    (4, 40, "none"), (2, 33, "1d_float_pos")):
+            tokens, segments = random_inputs(batch, seqlen, VOCAB)
+            valid_lens = lengths(case, batch, seqlen)
+            assert_eager_result(graphed(encoder, tokens, segments, valid_lens),
+                                eager_forward(encoder, tokens, segments, valid_lens),
+                                f"skip_padding={skip_padding}, ({batch}, {seqlen}), {case}")
+        # Exact: the first four share bucket (4, 48) with int64 lengths (None included), (2, 33)
+        # float lengths is bucket (2, 48). skip_padding: the token counts 84, 69, 99, 160, 4 make
+        # five num_tokens buckets (96, 80, 112, 160, 16).
+        assert len(cuda_graph_stats(encoder)["buckets"]) == (5 if skip_padding else 2), skip_padding
+
+
+def test_output_is_a_fresh_tensor(stub):
+    encoder = auto_encoder()
+    tokens, segments = random_inputs(B, L, VOCAB)
+    first = graphed(encoder, tokens, segments)
+    kept = first.clone()
+    other_tokens, other_segments = random_inputs(B, L, VOCAB)
+    second = graphed(encoder, other_tokens, other_segments)
+    assert second.data_ptr() != first.data_ptr()
+    assert torch.equal(first, kept), "the second call overwrote the first call's output"
+    state = cuda_graph._states[encoder]
+    (entry,) = state.graphs.values()
+    assert first.data_ptr() != entry.output.data_ptr()
+
+
+def test_inference_mode_and_no_grad(stub):
+    encoder = auto_encoder()
+    tokens, segments = random_inputs(B, L, VOCAB)
+    with torch.inference_mode():
+        inside = encoder(tokens, segments)
+    assert inside.is_inference()
+    outside = graphed(encoder, tokens, segments)
+    assert not outside.is_inference() and not outside.requires_grad
+    assert torch.equal(inside, outside)
+    assert stub.attempts == 1 and stub.inference_mode_at_capture == [True]
+
+
+def test_model_and_module_call(stub):
+    model = auto_model()
+    assert model.encoder.cuda_graphs
+    tokens, segments = random_inputs(B, L, VOCAB)
+    valid_lens = lengths("1d_int_pos", B, L)
+    with torch.no_grad():
+        encoded, _, nsp = model(tokens, segments, valid_lens)
+        model.encoder.cuda_graphs = False
+        expected, _, expected_nsp = model(tokens, segments, valid_lens)
+    assert_eager_result(encoded, expected)
+    assert_close(nsp, expected_nsp, atol=FLOOR[torch.float32], what="nsp")
+    assert stub.attempts == 1
+
+
+def test_skip_padding_rejects_2d_lengths(stub):
+    encoder = auto_encoder(skip_padding=True)
+    tokens, segments = random_inputs(B, L, VOCAB)
+    with pytest.raises(ValueError, match=r"skip_padding=True needs 1-D valid_lens"):
+        graphed(encoder, tokens, segments, lengths("2d_int_pos", B, L))
+    encoder.check_inputs = False
+    with pytest.raises(ValueError, match=r"skip_padding=True needs 1-D valid_lens"):
+        graphed(encoder, tokens, segments, lengths("2d_int_pos", B, L))
+    assert stub.attempts == 0
+
+
+# --------------------------------------------------------------------------- keys
+
+def test_buckets_and_keys(stub):
+    encoder = auto_encoder()
+    calls = [((3, 37), torch.int64, "1d_int_pos", 1),     # bucket (4, 48)
+             ((3, 40), torch.int64, "1d_int_pos", 1),     # same bucket: replay
+             ((4, 33), torch.int64, "1d_int_pos", 1),     # same bucket
+             ((3, 50), torch.int64, "1d_int_pos", 2),     # L bucket 64
+             ((2, 37), torch.int64, "1d_int_pos", 3),     # B bucket 2
+             ((3, 37), torch.int32, "1d_int_pos", 4),     # tokens dtype
+             ((3, 37), torch.int64, "1d_float_pos", 5),   # valid_lens dtype
+             ((3, 37), torch.int64, "2d_int_pos", 6),     # valid_lens 2-D
+             ((3, 37), torch.int64, "none", 6)]           # None: the int64 1-D graph
+    for (batch, seqlen), dtype, case, captures in calls:
+        tokens, segments = (t.to(dtype) for t in random_inputs(batch, seqlen, VOCAB))
+        valid_lens = lengths(case, batch, seqlen)
+        assert_eager_result(graphed(encoder, tokens, segments, valid_lens),
+                            eager_forward(encoder, tokens, segments, valid_lens))
+        assert stub.attempts == captures, ((batch, seqlen), dtype, case)
+
+
+def test_settings_are_part_of_the_key(stub):
+    encoder = auto_encoder()
+    tokens, segments = random_inputs(B, L, VOCAB)
+    graphed(encoder, tokens, segments)
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if previous == "highest" else "highest")
+    try:
+        graphed(encoder, tokens, segments)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    graphed(encoder, tokens, segments)
+    encoder.skip_padding = True
+    graphed(encoder, tokens, segments)
+    encoder.skip_padding = False
+    encoder.backend = "triton"
+    graphed(encoder, tokens, segments)
+    assert stub.attempts == 4
+
+
+def replace_weight(encoder):
+    old = encoder.blks[0].ffn.dense1.weight
+    encoder.blks[0].ffn.dense1.weight = nn.Parameter(old.detach() * 0.5)
+
+
+def load_assign(encoder):
+    state = {name: value.clone() * 0.5 for name, value in encoder.state_dict().items()}
+    encoder.load_state_dict(state, assign=True)
+
+
+def swap_data(encoder):
+    encoder.blks[1].addnorm2.ln.bias.data = encoder.blks[1].addnorm2.ln.bias.data + 1
+
+
+def move_dtype(encoder):
+    encoder.double()
+    encoder.float()
+
+
+def replace_submodule(encoder):
+    dense2 = encoder.blks[0].ffn.dense2
+    encoder.blks[0].ffn.dense2 = nn.Linear(dense2.in_features, dense2.out_features).eval()
+
+
+def append_block(encoder):
+    encoder.blks.append(copy.deepcopy(encoder.blks[1]))
+
+
+def repack(encoder):
+    attention = encoder.blks[0].attention
+    attention.W_k.weight = nn.Parameter(attention.W_k.weight.detach().clone())   # unpacked
+    attention.pack_qkv_()                                                          # packed anew
+
+
+@pytest.mark.parametrize("change", [replace_weight, load_assign, swap_data, move_dtype, replace_submodule,
+                                    append_block, repack], ids=lambda f: f.__name__)
+def test_replaced_parameters_invalidate(stub, change):
+    encoder = auto_encoder()
+    tokens, segments = random_inputs(B, L, VOCAB)
+    valid_lens = lengths("1d_int_pos", B, L)
+    graphed(encoder, tokens, segments, valid_lens)
+    tokens2, segments2 = random_inputs(B, 60, VOCAB)
+    graphed(encoder, tokens2, segments2)
+    assert stub.attempts == 2
+    before = eager_forward(encoder, tokens, segments, valid_lens)
+    change(encoder)
+    after = eager_forward(encoder, tokens, segments, valid_lens)
+    assert not torch.equal(before, after) or change in (move_dtype, repack)
+    assert_eager_result(graphed(encoder, tokens, segments, valid_lens), after, f"after {change.__name__}")
+    stats = cuda_graph_stats(encoder)
+    assert stub.attempts == 3 and stats["invalidations"] == 1
+    assert len(stats["buckets"]) == 1, "the other bucket's graph was not dropped"
+
+
+def test_in_place_changes_keep_the_graphs(stub):
+    encoder = auto_encoder()
+    tokens, segments = random_inputs(B, L, VOCAB)
+    graphed(encoder, tokens, segments)
+    with torch.no_grad():
+        encoder.blks[0].ffn.dense1.weight.mul_(0.5)
+    encoder.load_state_dict(auto_encoder().state_dict())
+    assert_eager_result(graphed(encoder, tokens, segments), eager_forward(encoder, tokens, segments))
+    assert stub.attempts == 1 and "invalidations" not in cuda_graph_stats(encoder)
+
+
+def test_copies_have_their_own_graphs(stub):
+    encoder = auto_encoder()
+    tokens, segments = random_inputs(B, L, VOCAB)
+    graphed(encoder, tokens, segments)
+    twin = copy.deepcopy(encoder)         # no CUDAGraph on the module: deepcopy works
+    assert cuda_graph_stats(twin)["buckets"] == []
+    assert_eager_result(graphed(twin, tokens, segments), eager_forward(encoder, tokens, segments))
+    assert stub.attempts == 2
+
+
+# --------------------------------------------------------------------------- memory bounds
+
+def call_bucket(encoder, seqlen):
+    tokens, segments = random_inputs(1, seqlen, VOCAB)
+    graphed(encoder, tokens, segments)
+
+
+def held_lengths(encoder):
+    return [bucket["seq_len"] for bucket in cuda_graph_stats(encoder)["buckets"]]
+
+
+def test_lru_eviction(stub):
+    encoder = auto_encoder()
+    assert cuda_graph.DEFAULT_MAX_GRAPHS == 8
+    for seqlen in (16, 32, 48, 64, 80, 96, 112, 128, 160, 192):      # 10 buckets
+        call_bucket(encoder, seqlen)
+    assert held_lengths(encoder) == [48, 64, 80, 96, 112, 128, 160, 192]
+
+    encoder.max_cuda_graphs = 2
+    call_bucket(encoder, 16)                          # captured again; evicts down to 2
+    assert held_lengths(encoder) == [192, 16]
+    call_bucket(encoder, 192)                         # a hit: most recently used now
+    assert held_lengths(encoder) == [16, 192]
+    call_bucket(encoder, 32)                          # evicts 16, the least recently used
+    assert held_lengths(encoder) == [192, 32]
+    stats = cuda_graph_stats(encoder)
+    assert stats["captures"] == 12 and stats["evictions"] == 10 and stub.attempts == 12
+
+
+@pytest.mark.parametrize("limit", [0, -1, 1.5, True, "8"])
+def test_rejects_bad_graph_limit(stub, limit):
+    encoder = auto_encoder()
+    encoder.max_cuda_graphs = limit
+    with pytest.raises(ValueError, match=r"max_cuda_graphs must be an int >= 1"):
+        call_bucket(encoder, 16)
+
+
+def test_one_pool_per_encoder(stub):
+    encoder = auto_encoder()
+    for seqlen in (16, 32):
+        call_bucket(encoder, seqlen)
+    state = cuda_graph._states[encoder]
+    pool = state.pool
+    assert pool is not None and len(state.graphs) == 2
+    call_bucket(encoder, 48)
+    assert state.pool is pool
+
+
+def test_clear(stub):
+    model = auto_model()
+    encoder = model.encoder
+    for seqlen in (16, 32):
+        call_bucket(encoder, seqlen)
+    assert clear_cuda_graphs(encoder) == 2
+    assert cuda_graph_stats(encoder) == {"buckets": [], "failed": []}
+    call_bucket(encoder, 16)
+    assert stub.attempts == 3
+    assert clear_cuda_graphs(model) == 1          # a model: every encoder in it
+    assert clear_cuda_graphs(model) == 0
+    with pytest.raises(TypeError, match="expects an nn.Module"):
+        clear_cuda_graphs("encoder")
+
+
+# --------------------------------------------------------------------------- fallbacks
+
+def fallback_warnings(record):
+    return [str(w.message) for w in record if issubclass(w.category, CudaGraphFallbackWarning)]
+
+
+def test_training_mode_runs_eagerly_with_one_warning(stub):
+    encoder = auto_encoder().train()          # dropout 0: train mode is deterministic
+    tokens, segments = random_inputs(B, L, VOCAB)
+    with pytest.warns(CudaGraphFallbackWarning) as record:
+        for _ in range(3):
+            out = graphed(encoder, tokens, segments)
+    messages = fallback_warnings(record)
+    assert len(messages) == 1 and "training mode" in messages[0] and ".eval()" in messages[0]
+    assert torch.equal(out, eager_forward(encoder, tokens, segments))
+    assert stub.attempts == 0 and cuda_graph_stats(encoder)["eager_training"] == 3
+
+    encoder.eval()
+    encoder.blks[1].ffn.train()               # one submodule training is training too
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")        # already warned for this reason: silent
+        graphed(encoder, tokens, segments)
+    assert stub.attempts == 0
+    encoder.eval()
+    graphed(encoder, tokens, segments)
+    assert stub.attempts == 1
+
+
+def test_autograd_runs_eagerly_with_one_warning(stub):
+    encoder = auto_encoder()
+    tokens, segments = random_inputs(B, L, VOCAB)
+    with pytest.warns(CudaGraphFallbackWarning, match=r"autograd is recording.*inference_mode") as record:
+        out = encoder(tokens, segments)
+        encoder(tokens, segments)
+    assert len(fallback_warnings(record)) == 1
+    assert out.requires_grad
+    out.sum().backward()                      # gradients flow: it was the eager forward
+    assert encoder.blks[0].ffn.dense1.weight.grad is not None
+    assert stub.attempts == 0
+
+    for parameter in encoder.parameters():    # frozen: nothing to record, graphs serve
+        parameter.requires_grad_(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = encoder(tokens, segments)
+    assert not out.requires_grad and stub.attempts == 1
+    assert_eager_result(out, eager_forward(encoder, tokens, segments))
+
+
+def test_cpu_inputs_run_eagerly_with_one_warning():
+    """No stub: the real steps have no graphs for CPU tensors."""
+    encoder = auto_encoder()
+    tokens, segments = random_inputs(B, L, VOCAB)
+    valid_lens = lengths("1d_float_pos", B, L)
+    with pytest.warns(CudaGraphFallbackWarning, match=r"inputs are on cpu; CUDA graphs need CUDA tensors") as record:
+        out = graphed(encoder, tokens, segments, valid_lens)
+        graphed(encoder, tokens, segments, valid_lens)
+    assert len(fallback_warnings(record)) == 1
+    assert record[0].filename == __file__, "the warning should point at the caller"
+    assert torch.equal(out, eager_forward(encoder, tokens, segments, valid_lens))
+    assert cuda_graph_stats(encoder)["eager_device"] == 2
+
+
+def test_failed_capture_runs_eagerly_and_is_not_retried(stub):
+    stub.fail = True
+    encoder = auto_encoder()
+    tokens, segments = random_inputs(B, L, VOCAB)
+    valid_lens = lengths("1d_int_pos", B, L)
+    with pytest.warns(CudaGraphFallbackWarning) as record:
+        out = graphed(encoder, tokens, segments, valid_lens)
+        again = graphed(encoder, tokens, segments, valid_lens)      # the same bucket: not retried
+        call_bucket(encoder, 100)                                   # another bucket: tried, silently
+    (message,) = fallback_warnings(record)
+    assert "capturing the CUDA graph of bucket (batch 4, seq_len 48" in message
+    assert "RuntimeError: simulated capture failure)" in message and "second line" not in message
+    assert torch.equal(out, eager_forward(encoder, tokens, segments, valid_lens)) and torch.equal(out, again)
+    assert stub.attempts == 2
+    stats = cuda_graph_stats(encoder)
+    assert len(stats["failed"]) == 2 and stats["buckets"] == [] and stats["eager_capture"] == 3
+
+    stub.fail = False
+    clear_cuda_graphs(encoder)                                      # forgets failures
+    graphed(encoder, tokens, segments, valid_lens)
+    assert stub.attempts == 3 and len(cuda_graph_stats(encoder)["buckets"]) == 1
+
+
+def test_failure_of_the_forward_itself_propagates(stub, monkeypatch):
+    """A capture that fails because the forward fails: the eager call fails too and raises;
+    the bucket is not marked failed (the inputs, not the graph, were the problem)."""
+    encoder = auto_encoder()
+    tokens, segments = random_inputs(B, L, VOCAB)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("broken block")
+
+    monkeypatch.setattr(encoder.blks[0], "forward", broken)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeError, match="broken block"):
+            graphed(encoder, tokens, segments)
+    assert cuda_graph_stats(encoder)["failed"] == [] and encoder.check_inputs is True
+
+
+def test_compile_tracing_and_outer_capture_run_eagerly_without_warning(stub, monkeypatch):
+    encoder = auto_encoder()
+    tokens, segments = random_inputs(B, L, VOCAB)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.compiler, "is_compiling", lambda: True)
+            out = graphed(encoder, tokens, segments)
+        with monkeypatch.context() as patch:
+            patch.setattr(stub, "capturing", lambda device: True)
+            graphed(encoder, tokens, segments)
+    assert torch.equal(out, eager_forward(encoder, tokens, segments))
+    assert stub.attempts == 0
+
+
+# --------------------------------------------------------------------------- input checks
+
+def test_input_check_runs_before_capture_and_replay(stub, monkeypatch):
+    checks = []
+    real_check = modules.check_encoder_inputs
+
+    def recorded(*args, **kwargs):
+        checks.append(stub.active)
+        return real_check(*args, **kwargs)
+
+    monkeypatch.setattr(modules, "check_encoder_inputs", recorded)
+    encoder = auto_encoder()
+    tokens, segments = random_inputs(B, L, VOCAB)
+    valid_lens = lengths("1d_int_pos", B, L)
+    bad_tokens = tokens.clone()
+    bad_tokens[1, 4] = VOCAB
+    with pytest.raises(ValueError, match=rf"token ids must be in \[0, {VOCAB}\)"):
+        graphed(encoder, bad_tokens, segments, valid_lens)
+    assert stub.attempts == 0
+
+    graphed(encoder, tokens, segments, valid_lens)          # capture + replay: one check, before both
+    assert checks == [False, False] and stub.attempts == 1 and stub.replays == 1
+    assert encoder.check_inputs is True
+
+    with pytest.raises(ValueError, match=r"segment ids must be 0 or 1"):
+        graphed(encoder, tokens, segments + 1, valid_lens)
+    assert stub.replays == 1, "replayed after a failed input check"
+    with pytest.raises(ValueError, match=r"valid_lens must have shape \(batch,\)"):
+        graphed(encoder, tokens, segments, valid_lens[:2])
+    with pytest.raises(ValueError, match=r"sequence length 201 exceeds max_len 200"):
+        graphed(encoder, *random_inputs(1, AUTO_MAX_LEN + 1, VOCAB))
+
+    encoder.check_inputs = False            # off: no check at all
+    count = len(checks)
+    graphed(encoder, tokens, segments, valid_lens)
+    assert len(checks) == count and stub.replays == 2
+    assert not any(checks), "an input check ran inside a capture or replay"
+
+
+def test_tensor_subclass_parameters_run_eagerly(stub):
+    class Tagged(torch.Tensor):
+        pass
+
+    encoder = auto_encoder()
+    encoder.register_buffer("tag", torch.zeros(1).as_subclass(Tagged))
+    tokens, segments = random_inputs(B, L, VOCAB)
+    with pytest.warns(CudaGraphFallbackWarning, match=r"tensor subclass \(Tagged 'tag'\)"):
+        out = graphed(encoder, tokens, segments)
+    assert torch.equal(out, eager_forward(encoder, tokens, segments)) and stub.attempts == 0
+
+
+# --------------------------------------------------------------------------- graphed_forward on the GPU
+
+AUTO_GPU_CASES = ["none", "1d_int_pos", "1d_int_zero", "1d_float_pos", "2d_int_pos", "2d_float_zero"]
+
+
+def auto_gpu_pair(backend, dtype, **options):
+    """(fp32 eager encoder, the same weights in ``dtype`` with cuda_graphs=True), on the GPU."""
+    require_backend(backend)
+    reference = FastBERTEncoder(**encoder_config(max_len=AUTO_MAX_LEN), backend=backend, **options).eval().cuda()
+    encoder = copy.deepcopy(reference).to(dtype)
+    encoder.cuda_graphs = True
+    return reference, encoder
+
+
+def auto_gpu_inputs(batch, seqlen, case):
+    tokens, segments = (t.cuda() for t in random_inputs(batch, seqlen, VOCAB))
+    return tokens, segments, lengths(case, batch, seqlen, device="cuda")
+
+
+def assert_graphed_within_rule(reference, encoder, inputs, what):
+    """The graphed call against the eager one: fp32 within the fp32 floor; lower precision by
+    STYLE.md's rule, against the fp32 encoder's eager call."""
+    with torch.inference_mode():
+        actual = encoder(*inputs)
+        same_precision = encoder._forward(*inputs)
+        expected = reference._forward(*inputs) if actual.dtype != torch.float32 else same_precision
+    assert actual.shape == same_precision.shape and actual.dtype == same_precision.dtype, what
+    if actual.dtype == torch.float32:
+        assert_close(actual, expected, atol=FLOOR[torch.float32], what=what)
+    else:
+        assert_within_rule(actual, expected, same_precision, what=what)
+    return actual
+
+
+@needs_cuda
+@pytest.mark.parametrize("skip_padding", [False, True], ids=["exact", "skip_padding"])
+@pytest.mark.parametrize("case", AUTO_GPU_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_auto_graph_matches_eager(backend, dtype, case, skip_padding):
+    if skip_padding and case.startswith("2d"):
+        pytest.skip("skip_padding takes 1-D valid_lens")
+    reference, encoder = auto_gpu_pair(backend, dtype, skip_padding=skip_padding)
+    first = auto_gpu_inputs(B, L, case)
+    assert_graphed_within_rule(reference, encoder, first, "first call (capture)")
+    # Same shapes and lengths, new ids: the same bucket, replayed with the new inputs.
+    tokens, segments, _ = auto_gpu_inputs(B, L, case)
+    second = (tokens, segments, first[2])
+    out = assert_graphed_within_rule(reference, encoder, second, "second call (replay)")
+    stats = cuda_graph_stats(encoder)
+    assert stats["captures"] == 1 and stats["replays"] == 2, stats
+    assert not any(name.startswith("eager_") for name in stats), stats
+    with torch.inference_mode():
+        assert not torch.equal(out, encoder._forward(*first)), "the replay did not follow the new inputs"
+    # Another shape of the same (B, L) bucket.
+    assert_graphed_within_rule(reference, encoder, auto_gpu_inputs(4, 45, case), "(4, 45)")
+
+
+@needs_cuda
+def test_auto_graph_failed_capture_leaves_cuda_usable(monkeypatch):
+    """A forward that synchronises during capture (an .item()) invalidates it: the call runs
+    eagerly, warns once, and the next bucket captures and replays normally."""
+    reference, encoder = auto_gpu_pair("auto", torch.float32)
+    block_forward = encoder.blks[0].forward
+    sync_in = {48}
+
+    def syncing(X, *args, **kwargs):
+        out = block_forward(X, *args, **kwargs)
+        if torch.cuda.is_current_stream_capturing() and X.shape[1] in sync_in:
+            out.sum().item()
+        return out
+
+    monkeypatch.setattr(encoder.blks[0], "forward", syncing)
+    inputs = auto_gpu_inputs(B, L, "1d_int_pos")
+    with pytest.warns(CudaGraphFallbackWarning, match=r"capturing the CUDA graph of bucket \(batch 4, seq_len 48"):
+        assert_graphed_within_rule(reference, encoder, inputs, "after a failed capture")
+    assert len(cuda_graph_stats(encoder)["failed"]) == 1
+    torch.cuda.empty_cache()          # what the next torch.cuda.graph does first; fails if the allocator
+    torch.cuda.synchronize()          # still believes a capture is under way
+    assert_graphed_within_rule(reference, encoder, auto_gpu_inputs(B, 60, "1d_int_pos"), "next bucket")
+    stats = cuda_graph_stats(encoder)
+    assert stats["captures"] == 2 and len(stats["buckets"]) == 1 and stats["replays"] == 1
+
+
+@needs_cuda
+def test_auto_graph_follows_parameters():
+    reference, encoder = auto_gpu_pair("auto", torch.float32)
+    inputs = auto_gpu_inputs(B, L, "1d_float_pos")
+    assert_graphed_within_rule(reference, encoder, inputs, "captured")
+    with torch.no_grad():
+        encoder.blks[0].ffn.dense1.weight.mul_(0.5)         # in place: the graph reads it
+    assert_graphed_within_rule(reference, encoder, inputs, "after mul_")
+    assert cuda_graph_stats(encoder)["captures"] == 1
+    state = {name: value.clone() for name, value in FastBERTEncoder(
+        **encoder_config(max_len=AUTO_MAX_LEN)).state_dict().items()}
+    encoder.load_state_dict(state, assign=True)              # replaced (on the CPU): eager names the device
+    encoder.cuda()
+    assert_graphed_within_rule(reference, encoder, inputs, "after load_state_dict(assign=True) and .cuda()")
+    stats = cuda_graph_stats(encoder)
+    assert stats["captures"] == 2 and stats["invalidations"] == 1
+
+
+@needs_cuda
+def test_auto_graph_across_streams():
+    reference, encoder = auto_gpu_pair("auto", torch.float32)
+    side = torch.cuda.Stream()
+    first, second = auto_gpu_inputs(B, L, "1d_int_pos"), auto_gpu_inputs(B, L, "1d_int_pos")
+    with torch.inference_mode():
+        expected = [encoder._forward(*first), encoder._forward(*second)]
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            out_side = encoder(*first)
+        out_main = encoder(*second)       # waits for the side stream's replay before refilling the buffers
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+    assert_close(out_side, expected[0], atol=FLOOR[torch.float32], what="replay on a side stream")
+    assert_close(out_main, expected[1], atol=FLOOR[torch.float32], what="then on the main stream")
+
+
+@needs_cuda
+def test_auto_graph_memory_is_bounded_and_released():
+    reference, encoder = auto_gpu_pair("auto", torch.float32)
+    encoder.max_cuda_graphs = 2
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    for seqlen in (16, 32, 48, 64, 80):
+        assert_graphed_within_rule(reference, encoder, auto_gpu_inputs(2, seqlen, "none"), f"L={seqlen}")
+    stats = cuda_graph_stats(encoder)
+    assert len(stats["buckets"]) == 2 and stats["evictions"] == 3
+    assert clear_cuda_graphs(encoder) == 2
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= baseline, "graphs' buffers outlived clear_cuda_graphs"
+
+
+@needs_cuda
+def test_capture_encoder_of_an_auto_graph_encoder():
+    """capture_encoder runs the module's eager forward: no graphs inside its warmup."""
+    reference, encoder = auto_gpu_pair("auto", torch.float32)
+    tokens, segments, valid_lens = auto_gpu_inputs(B, L, "1d_int_pos")
+    graphed_encoder = capture_encoder(encoder, tokens, segments, valid_lens)
+    assert encoder.cuda_graphs is True and encoder.check_inputs is True
+    assert cuda_graph_stats(encoder)["buckets"] == []
+    assert_matches_eager(graphed_encoder(tokens, segments, valid_lens),
+                         eager(reference, tokens, segments, valid_lens), "capture_encoder")
+
+
+def test_optimize_passes_cuda_graphs(stub):
+    import bert_fast
+    config = encoder_config(max_len=AUTO_MAX_LEN)
+    reference = R.BERTEncoder(**config).eval()
+    tokens, segments = random_inputs(B, L, VOCAB)
+    valid_lens = lengths("1d_int_pos", B, L)
+    with torch.no_grad():
+        expected = reference(tokens, segments, valid_lens)
+    fast = bert_fast.optimize(reference, cuda_graphs=True)
+    assert isinstance(fast, FastBERTEncoder) and fast.cuda_graphs
+    assert_eager_result(graphed(fast, tokens, segments, valid_lens), expected, "optimized reference")
+    assert stub.attempts == 1
