@@ -603,7 +603,23 @@ class _EncoderGraphs:
         self.stream = None
         self.stats = collections.Counter()
 
+    def retire(self, entry):
+        """Let the allocator reuse a dropped entry's buffers only once the last replay's stream is
+        done with them: they belong to the stream of the capture, and replays may have run on
+        another one since (a no-op when it is the same stream)."""
+        if self.stream is not None:
+            with torch.inference_mode():     # the output is an inference tensor; record_stream's schema mutates
+                for t in (entry.tokens, entry.segments, entry.valid_lens, entry.output):
+                    t.record_stream(self.stream)
+
+    def evict_least_recent(self):
+        _, entry = self.graphs.popitem(last=False)
+        self.retire(entry)
+        self.stats["evictions"] += 1
+
     def drop_graphs(self):
+        for entry in self.graphs.values():
+            self.retire(entry)
         self.graphs.clear()
         self.pool = self.stream = None
 
@@ -747,8 +763,7 @@ def _capture(encoder, state, key, bucket, inputs, clamp, limit):
     """Capture ``key``'s graph (evicting the least recently used down to ``limit`` - 1) and keep
     it; returns the entry. Raises what warmup or capture raised; nothing is kept then."""
     while len(state.graphs) >= limit:
-        state.graphs.popitem(last=False)
-        state.stats["evictions"] += 1
+        state.evict_least_recent()
     tokens, segments, _ = inputs
     device = tokens.device
     # Ordinary tensors even in inference mode: every call copies into them (see capture_encoder).

@@ -1158,6 +1158,18 @@ def test_auto_graph_across_streams():
     assert_close(out_side, expected[0], atol=FLOOR[torch.float32], what="replay on a side stream")
     assert_close(out_main, expected[1], atol=FLOOR[torch.float32], what="then on the main stream")
 
+    # Eviction after a stream switch: the dropped buffers are recorded on the last replay's stream.
+    encoder.max_cuda_graphs = 1
+    other = auto_gpu_inputs(B, 70, "1d_int_pos")
+    with torch.inference_mode():
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            out_other = encoder(*other)
+        torch.cuda.current_stream().wait_stream(side)
+        expected_other = encoder._forward(*other)
+    assert_close(out_other, expected_other, atol=FLOOR[torch.float32], what="after an eviction on a side stream")
+    assert cuda_graph_stats(encoder)["evictions"] == 1
+
 
 @needs_cuda
 def test_auto_graph_memory_is_bounded_and_released():
