@@ -286,14 +286,14 @@ def test_add_layernorm_matches_twin_and_eager(ops, shape, affine, dtype):
     assert d_x.numel() == 0, "without dropout d_x equals d_residual and is not returned"
     assert (d_weight.numel() == 0) == (weight is None) and (d_bias.numel() == 0) == (bias is None)
 
-    twin_out, twin_mean, twin_rstd = add_layernorm_mod._add_layernorm_fwd_cpu(x, residual, weight, bias, 1e-5,
-                                                                              None, 0.0)
+    # The registered op: statistics flattened to (rows,) (the CPU kernel keeps (..., 1)).
+    twin_out, twin_mean, twin_rstd = add_layernorm_mod.add_layernorm_fwd(x, residual, weight, bias, 1e-5, None, 0.0)
     assert_close(mean, twin_mean, atol=1e-5, what="mean vs twin")
     assert_close(rstd, twin_rstd, atol=1e-5, rtol=1e-5, what="rstd vs twin")
     one_ulp = 1e-5 if dtype == torch.float32 else 2 ** -7
     assert_close(out, twin_out, atol=one_ulp, rtol=one_ulp, what="out vs twin")
-    twin_grads = add_layernorm_mod._add_layernorm_bwd_cpu(grad_out, x, residual, weight, mean, rstd, None, 0.0,
-                                                          bias is not None)
+    twin_grads = add_layernorm_mod.add_layernorm_bwd(grad_out, x, residual, weight, mean, rstd, None, 0.0,
+                                                     bias is not None)
     for actual, twin, name in zip(grads, twin_grads, ("d_residual", "d_x", "d_weight", "d_bias")):
         assert actual.shape == twin.shape and actual.dtype == twin.dtype, name
         assert_close(actual, twin, atol=1e-4 if dtype == torch.float32 else 5e-2, rtol=one_ulp,

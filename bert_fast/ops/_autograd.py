@@ -81,10 +81,10 @@ def once_differentiable(what, op_name):
     def decorate(backward):
         @functools.wraps(backward)
         def wrapper(ctx, *grad_outputs):
+            if not torch.is_grad_enabled():      # no create_graph: the usual first-order backward
+                return backward(ctx, *grad_outputs)
             with torch.no_grad():
                 grads = backward(ctx, *grad_outputs)
-            if not torch.is_grad_enabled():
-                return grads
             tensors = [g for g in grads if isinstance(g, torch.Tensor)]
             if not tensors:
                 return grads

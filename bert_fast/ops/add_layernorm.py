@@ -280,32 +280,59 @@ def _dropped_sum_cpu(x, residual, seed, dropout_p, acc):
 
 def _add_layernorm_fwd_cpu(x, residual, weight, bias, eps, seed, dropout_p):
     """The CPU kernel: one ``native_layer_norm`` over the fp32 (fp64) sum, as the Triton
-    kernel's math (statistics in fp32, output rounded once)."""
+    kernel's math (statistics in fp32, output rounded once). Its output is a fresh contiguous
+    tensor of x's shape (never a view, see the Triton launcher); its statistics keep
+    native_layer_norm's (..., 1) shape (the registered op flattens them)."""
+    acc = compute_dtype(x.dtype)
+    if dropout_p == 0.0 and x.dtype == acc:     # the common case, in as few calls as possible
+        return torch.native_layer_norm(residual + x, x.shape[-1:], weight, bias, eps)
     _check_dropout_p(dropout_p)
     check_seed(seed, dropout_p, x.device)
-    acc = compute_dtype(x.dtype)
     s, _ = _dropped_sum_cpu(x, residual, seed, dropout_p, acc)
     out, mean, rstd = torch.native_layer_norm(s, x.shape[-1:], as_dtype(weight, acc), as_dtype(bias, acc), eps)
-    # native_layer_norm's output is a fresh contiguous tensor of x's shape (never a view, see
-    # the Triton launcher); its statistics are (..., 1).
-    return as_dtype(out, x.dtype), mean.reshape(-1), rstd.reshape(-1)
+    return as_dtype(out, x.dtype), mean, rstd
+
+
+def _add_layernorm_cpu(x, residual, weight, bias, eps, seed, dropout_p):
+    """The CPU kernel where nothing needs the statistics (inference): F.layer_norm of the sum."""
+    acc = compute_dtype(x.dtype)
+    if dropout_p == 0.0 and x.dtype == acc:
+        return F.layer_norm(residual + x, x.shape[-1:], weight, bias, eps)
+    _check_dropout_p(dropout_p)
+    check_seed(seed, dropout_p, x.device)
+    s, _ = _dropped_sum_cpu(x, residual, seed, dropout_p, acc)
+    return as_dtype(F.layer_norm(s, x.shape[-1:], as_dtype(weight, acc), as_dtype(bias, acc), eps), x.dtype)
+
+
+_native_layer_norm_backward = torch.ops.aten.native_layer_norm_backward.default
 
 
 def _add_layernorm_bwd_cpu(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias):
-    _check_dropout_p(dropout_p)
-    check_seed(seed, dropout_p, x.device)
+    """(d_residual, d_x, d_weight, d_bias), None for those not computed (the registered op
+    returns empty tensors instead). Statistics of either shape: (rows,) or (..., 1)."""
     acc, hidden = mean.dtype, x.shape[-1]
-    s, keep_scale = _dropped_sum_cpu(x, residual, seed, dropout_p, acc)
-    dy = as_dtype(grad_out, acc)
-    stats_shape = s.shape[:-1] + (1,)
-    d_sum, d_weight, _ = torch.ops.aten.native_layer_norm_backward(
-        dy, s, (hidden,), mean.view(stats_shape), rstd.view(stats_shape), as_dtype(weight, acc), None,
-        [True, weight is not None, False])
-    empty = lambda: x.new_empty(0)      # a distinct one per output: outputs must not alias
-    return (as_dtype(d_sum, x.dtype),
-            as_dtype(d_sum * keep_scale, x.dtype) if keep_scale is not None else empty(),
-            as_dtype(d_weight, x.dtype) if weight is not None else empty(),
-            as_dtype(dy.reshape(-1, hidden).sum(0), x.dtype) if has_bias else empty())
+    fast = dropout_p == 0.0 and x.dtype == acc       # the common case, in as few calls as possible
+    if fast:
+        s, keep_scale = residual + x, None
+    else:
+        _check_dropout_p(dropout_p)
+        check_seed(seed, dropout_p, x.device)
+        s, keep_scale = _dropped_sum_cpu(x, residual, seed, dropout_p, acc)
+        grad_out, weight = as_dtype(grad_out, acc), as_dtype(weight, acc)
+    if mean.dim() != s.dim():
+        stats_shape = s.shape[:-1] + (1,)
+        mean, rstd = mean.view(stats_shape), rstd.view(stats_shape)
+    # With a weight, d_bias comes out of the same call: it only needs *a* bias of its shape.
+    bias_stand_in = weight if has_bias else None
+    d_sum, d_weight, d_bias = _native_layer_norm_backward(
+        grad_out, s, (hidden,), mean, rstd, weight, bias_stand_in,
+        [True, weight is not None, bias_stand_in is not None])
+    if has_bias and bias_stand_in is None:
+        d_bias = grad_out.reshape(-1, hidden).sum(0)
+    if fast:
+        return d_sum, None, d_weight, d_bias
+    return (as_dtype(d_sum, x.dtype), as_dtype(d_sum * keep_scale, x.dtype) if keep_scale is not None else None,
+            as_dtype(d_weight, x.dtype), as_dtype(d_bias, x.dtype))
 
 
 def _add_layernorm_fwd(x, residual, weight, bias, eps, seed, dropout_p):
@@ -326,7 +353,8 @@ def add_layernorm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
                       bias: torch.Tensor | None, eps: float, seed: torch.Tensor | None,
                       dropout_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(LayerNorm(residual + dropout(x)), mean, rstd); dropout_p = 0 turns dropout off."""
-    return _add_layernorm_fwd(x, residual, weight, bias, eps, seed, dropout_p)
+    out, mean, rstd = _add_layernorm_fwd(x, residual, weight, bias, eps, seed, dropout_p)
+    return out, mean.reshape(-1), rstd.reshape(-1)      # the CPU kernel's are (..., 1)
 
 
 @triton_op("bert_fast::add_layernorm_bwd", mutates_args=())
@@ -336,7 +364,9 @@ def add_layernorm_bwd(grad_out: torch.Tensor, x: torch.Tensor, residual: torch.T
                       dropout_p: float, has_bias: bool
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d_residual, d_x, d_weight, d_bias); see _add_layernorm_bwd_triton for the empty ones."""
-    return _add_layernorm_bwd(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias)
+    grads = _add_layernorm_bwd(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias)
+    # Gradients not computed: the CPU kernel's None, an empty tensor each in the schema.
+    return tuple(x.new_empty(0) if g is None else g for g in grads)
 
 
 def _setup_context(ctx, inputs, output):
@@ -408,19 +438,21 @@ def _ext_bwd(*args):
 
 class _AddLayerNorm(torch.autograd.Function):
     """The eager path under autograd: the forward and backward launchers (Triton or CPU kernel,
-    or the extension's), no custom-op dispatch."""
+    or with ``extension`` the compiled extension's), no custom-op dispatch."""
 
     @staticmethod
-    def forward(ctx, forward_op, backward_op, x, residual, weight, bias, eps, seed, dropout_p):
+    def forward(ctx, extension, x, residual, weight, bias, eps, seed, dropout_p):
+        forward_op = _ext_fwd if extension else _add_layernorm_fwd
         out, mean, rstd = forward_op(x, residual, weight, bias, eps, seed, dropout_p)
         ctx.save_for_backward(x, residual, weight, mean, rstd, seed)
-        ctx.backward_op, ctx.dropout_p, ctx.has_bias = backward_op, dropout_p, bias is not None
+        ctx.extension, ctx.dropout_p, ctx.has_bias = extension, dropout_p, bias is not None
         return out
 
     @staticmethod
     @once_differentiable("add_layernorm", "bert_fast::add_layernorm_bwd")
     def backward(ctx, grad_out):
-        return (None, None, *_input_grads(ctx, ctx.saved_tensors, ctx.backward_op, grad_out), None, None, None)
+        backward_op = _ext_bwd if ctx.extension else _add_layernorm_bwd
+        return (None, *_input_grads(ctx, ctx.saved_tensors, backward_op, grad_out), None, None, None)
 
 
 def add_layernorm(x, residual, weight, bias, eps=1e-5, dropout_p=0.0, training=False, *,
@@ -438,7 +470,7 @@ def add_layernorm(x, residual, weight, bias, eps=1e-5, dropout_p=0.0, training=F
     if not uses_triton(backend):
         return _add_layernorm_torch(x, residual, weight, bias, eps, dropout_p, training)
     dropout_p = float(dropout_p) if training else 0.0
-    seed = dropout_seed(dropout_p, x.device)
+    seed = dropout_seed(dropout_p, x.device) if dropout_p > 0.0 else None
     extension = backend == "cuda"
     if extension:
         require_extension(x.device)
@@ -446,7 +478,10 @@ def add_layernorm(x, residual, weight, bias, eps=1e-5, dropout_p=0.0, training=F
     if use_registered_op():
         forward = torch.ops.bert_fast.ext_add_layernorm_fwd if extension else add_layernorm_fwd
         return forward(*args)[0]
-    forward, backward = (_ext_fwd, _ext_bwd) if extension else (_add_layernorm_fwd, _add_layernorm_bwd)
     if records_grad(x, residual, weight, bias):
-        return _AddLayerNorm.apply(forward, backward, *args)
-    return forward(*args)[0]
+        return _AddLayerNorm.apply(extension, *args)
+    if extension:
+        return _ext_fwd(*args)[0]
+    if x.device.type == "cpu":
+        return _add_layernorm_cpu(*args)
+    return _add_layernorm_fwd(*args)[0]

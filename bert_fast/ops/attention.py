@@ -85,7 +85,7 @@ class KeyMask(NamedTuple):
     for the kernels, or SDPA's mask and query factor (key_mask) for the PyTorch path."""
     valid_lens: torch.Tensor
     counts: torch.Tensor | None = None          # (B, L) int32, _visible_key_counts
-    sdpa_mask: torch.Tensor | None = None       # key_mask()[0]
+    sdpa_mask: torch.Tensor | None = None       # key_mask()[0], bool or additive in q's dtype
     query_keep: torch.Tensor | None = None      # key_mask()[1]
 
 
@@ -95,9 +95,11 @@ def _launches_kernels(backend, device):
     return uses_triton(backend) and device.type != "cpu" and not use_registered_op()
 
 
-def prepare_key_mask(valid_lens, seqlen, backend="torch"):
+def prepare_key_mask(valid_lens, seqlen, backend="torch", dtype=None):
     """valid_lens (None, (B,) or (B, L)) as the KeyMask the backend's attention reads for
-    sequences of length ``seqlen``; a KeyMask or None is returned as it is."""
+    sequences of length ``seqlen``; a KeyMask or None is returned as it is. ``dtype`` (the
+    activations'): SDPA's mask is made additive (0 / -inf) in it, once, rather than boolean,
+    which SDPA would turn into a float mask on every call."""
     if valid_lens is None or isinstance(valid_lens, KeyMask):
         return valid_lens
     if _launches_kernels(backend, valid_lens.device):
@@ -105,6 +107,8 @@ def prepare_key_mask(valid_lens, seqlen, backend="torch"):
     if uses_triton(backend) and use_registered_op():
         return KeyMask(valid_lens)      # the registered op takes valid_lens as it is
     mask, query_keep = key_mask(valid_lens, seqlen, seqlen, valid_lens.device)
+    if dtype is not None and dtype.is_floating_point:
+        mask = torch.full(mask.shape, float("-inf"), dtype=dtype, device=mask.device).masked_fill_(mask, 0.0)
     return KeyMask(valid_lens, sdpa_mask=mask, query_keep=query_keep)
 
 
@@ -117,7 +121,8 @@ def _sdpa(q, k, v, valid_lens, dropout_p):
     ``valid_lens``: None, raw or a KeyMask."""
     mask = None
     if valid_lens is not None:
-        if isinstance(valid_lens, KeyMask) and valid_lens.sdpa_mask is not None:
+        if (isinstance(valid_lens, KeyMask) and valid_lens.sdpa_mask is not None
+                and (valid_lens.sdpa_mask.dtype == torch.bool or valid_lens.sdpa_mask.dtype == q.dtype)):
             mask, query_keep = valid_lens.sdpa_mask, valid_lens.query_keep
         else:
             mask, query_keep = key_mask(_raw(valid_lens), q.shape[2], k.shape[2], q.device)
@@ -950,12 +955,13 @@ def packed_self_attention(qkv, num_heads, valid_lens=None, dropout_p=0.0, *, bac
     """
     if not uses_triton(backend):
         return _packed_sdpa(qkv, num_heads, valid_lens, dropout_p)
+    compiling = use_registered_op()
+    if not (compiling or _runs_kernel(qkv, dropout_p)):
+        return _packed_sdpa(qkv, num_heads, valid_lens, 0.0)
     dropout_p = float(dropout_p)
     seed = dropout_seed(dropout_p, qkv.device)
-    if use_registered_op():
+    if compiling:
         return attention_fwd(qkv, _raw(valid_lens), num_heads, dropout_p, seed)[0]
-    if not _runs_kernel(qkv, dropout_p):
-        return _packed_sdpa(qkv, num_heads, valid_lens, 0.0)
     counts = valid_lens.counts if isinstance(valid_lens, KeyMask) else None
     valid_lens = _raw(valid_lens)
     if records_grad(qkv):

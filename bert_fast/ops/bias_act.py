@@ -338,9 +338,14 @@ def _linear_relu_epilogue(x, weight, bias):
     Written through ``out=`` into a tensor of the final shape: an output that is a view (of the
     2-D GEMM result) could not be edited in place under autograd.
     """
+    if x.dim() == 2:
+        return torch._addmm_activation(bias, x, weight.t())
     out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
     torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t(), out=out.view(-1, weight.shape[0]))
     return out
+
+
+_threshold_backward = torch.ops.aten.threshold_backward.default
 
 
 class _LinearReLU(torch.autograd.Function):
@@ -357,7 +362,9 @@ class _LinearReLU(torch.autograd.Function):
     @once_differentiable("linear + relu", "aten::_addmm_activation")
     def backward(ctx, grad_out):
         x, weight, out = ctx.saved_tensors
-        d_z = torch.ops.aten.threshold_backward(grad_out, out, 0).reshape(-1, out.shape[-1])
+        d_z = _threshold_backward(grad_out, out, 0)
+        if d_z.dim() != 2:
+            d_z = d_z.reshape(-1, out.shape[-1])
         need_x, need_weight, need_bias = ctx.needs_input_grad
         return ((d_z @ weight).view(x.shape) if need_x else None,
                 d_z.t() @ x.reshape(-1, x.shape[-1]) if need_weight else None,
