@@ -2,7 +2,7 @@
 
 from . import ops, reference
 from .convert import optimize
-from .cuda_graph import GraphedEncoder, capture_encoder
+from .cuda_graph import CudaGraphFallbackWarning, GraphedEncoder, capture_encoder, clear_cuda_graphs, cuda_graph_stats
 from .extension import build_extension
 from .modules import (FastAddNorm, FastBERTEncoder, FastBERTModel, FastEncoderBlock,
                       FastMultiHeadAttention, FastPositionWiseFFN)
@@ -11,4 +11,5 @@ __version__ = "0.1.0"
 
 __all__ = ["FastBERTEncoder", "FastBERTModel", "FastEncoderBlock", "FastMultiHeadAttention",
            "FastAddNorm", "FastPositionWiseFFN", "optimize", "capture_encoder", "GraphedEncoder",
-           "build_extension", "ops", "reference"]
+           "clear_cuda_graphs", "cuda_graph_stats", "CudaGraphFallbackWarning", "build_extension", "ops",
+           "reference"]

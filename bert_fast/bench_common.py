@@ -93,7 +93,8 @@ class BenchModels(NamedTuple):
 
 def fast_encoder_sharing(eager, config, **options):
     """A FastBERTEncoder in eval mode on ``eager``'s tensors: built on the meta device and
-    given them with ``load_state_dict(assign=True)``, so no second init and no second copy."""
+    given them with ``load_state_dict(assign=True)``, so no second init and, but for the Q/K/V
+    projections (packed into one buffer of its own, FastMultiHeadAttention.pack_qkv_), no copy."""
     with torch.device("meta"):
         fast = FastBERTEncoder(**config, **options)
     fast.load_state_dict(eager.state_dict(), strict=True, assign=True)

@@ -18,10 +18,13 @@ and every method on the same weights and dtype, in the same run:
   hf_sdpa                   HF BertModel, attn_implementation="sdpa" (bert_fast.peers)
   fast, fast_skip_padding   FastBERTEncoder exact and skip_padding, "[backend]" for each backend
                             other than auto's choice
+  fast_cuda_graphs, fast_skip_padding_cuda_graphs
+                            CUDA only: FastBERTEncoder(cuda_graphs=True), backend auto: the first
+                            call of each shape captures a graph, later calls replay it
   fast_compile_reduce_overhead
                             latency shape, CUDA only: torch.compile(fast, mode="reduce-overhead"),
                             i.e. the forward replayed as a CUDA graph
-  fast_cuda_graph           latency shape, CUDA only: fast with pack_qkv_(), captured by
+  fast_cuda_graph           latency shape, CUDA only: fast with check_inputs=False, captured by
                             bert_fast.cuda_graph.capture_encoder (no compile)
   train shape: eager, compile (of model + loss), optimize / optimize_skip_padding (the model
   after bert_fast.optimize(..., backend=...)), each with its own AdamW on its own weights.
@@ -185,6 +188,7 @@ def backend_suffix(backend):
 
 
 INFERENCE_BASELINES = ("eager", "compile", "compile_max_autotune", "torch_transformer", "hf_sdpa")
+AUTO_GRAPHS = ("fast_cuda_graphs", "fast_skip_padding_cuda_graphs")
 LATENCY_ONLY = ("fast_compile_reduce_overhead", "fast_cuda_graph")
 
 
@@ -195,7 +199,7 @@ def method_names(shape, backends):
         return ["eager", "compile", *(name + suffix for suffix in suffixes
                                       for name in ("optimize", "optimize_skip_padding"))]
     names = [*INFERENCE_BASELINES, *(name + suffix for suffix in suffixes
-                                     for name in ("fast", "fast_skip_padding"))]
+                                     for name in ("fast", "fast_skip_padding")), *AUTO_GRAPHS]
     return names + list(LATENCY_ONLY if shape.name == "latency" else ())
 
 
@@ -252,6 +256,17 @@ def fast_methods(models, backends, unusable_backends):
     return methods
 
 
+def auto_graph_methods(eager, config, device):
+    """FastBERTEncoder(cuda_graphs=True), exact and skip_padding, backend auto, as constructed by
+    users otherwise (check_inputs on): captured on the first call, replayed after it."""
+    if device.type != "cuda":
+        why = "CUDA only (cuda_graphs=True replays CUDA graphs; elsewhere it is the eager fast row)"
+        return [unavailable(name, why, ours=True) for name in AUTO_GRAPHS]
+    return [SuiteMethod(name, fast_encoder_sharing(eager, config, backend="auto", skip_padding=skip_padding,
+                                                   cuda_graphs=True), valid_positions_only=skip_padding, ours=True)
+            for name, skip_padding in zip(AUTO_GRAPHS, (False, True))]
+
+
 def reduce_overhead_method(eager, config, device, options):
     """FastBERTEncoder compiled with mode="reduce-overhead" (CUDA graphs), for the latency goal."""
     name = "fast_compile_reduce_overhead"
@@ -281,13 +296,11 @@ class _CapturedOnFirstCall:
 
 
 def cuda_graph_capture_method(eager, config, device):
-    """FastBERTEncoder, QKV packed in place, replayed by capture_encoder (the latency goal)."""
+    """FastBERTEncoder replayed by capture_encoder (the latency goal), without the input check."""
     name = "fast_cuda_graph"
     if device.type != "cuda":
         return unavailable(name, "CUDA only (capture_encoder replays a CUDA graph)", ours=True)
-    # pack_qkv_ moves only this encoder's Parameters (assign=True made new ones on eager's
-    # tensors) into one buffer: the other methods keep eager's weights.
-    fast = fast_encoder_sharing(eager, config, backend="auto", check_inputs=False).pack_qkv_()
+    fast = fast_encoder_sharing(eager, config, backend="auto", check_inputs=False)
     return SuiteMethod(name, _CapturedOnFirstCall(fast), ours=True)
 
 
@@ -300,7 +313,8 @@ def inference_workload(shape, preset, dtype, device, options):
     methods = [SuiteMethod(BASELINE, eager),
                *compile_methods(eager, options),
                *peer_methods(eager, dtype, device),
-               *fast_methods(models, usable, unusable_backends)]
+               *fast_methods(models, usable, unusable_backends),
+               *auto_graph_methods(eager, models.config, device)]
     if shape.name == "latency":
         methods += [reduce_overhead_method(eager, models.config, device, options),
                     cuda_graph_capture_method(eager, models.config, device)]

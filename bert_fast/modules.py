@@ -15,7 +15,7 @@ from torch.nn.modules import module as _nn_module
 from . import ops
 from .backend import backend_for, resolve_backend
 from .checks import check_encoder_inputs
-from .cuda_graph import graphed_forward
+from .cuda_graph import DEFAULT_MAX_GRAPHS, clear_cuda_graphs, graphed_forward
 from .reference import AddNorm, BERTModel, MaskLM, NextSentencePred
 
 
@@ -323,7 +323,9 @@ class FastBERTEncoder(nn.Module):
       check_inputs: validate ids, lengths, shapes and devices (one host sync); set False
         (or flip the attribute) in a production loop that already guarantees them.
       cuda_graphs: replay inference forwards from CUDA graphs captured per shape bucket
-        (bert_fast.cuda_graph.graphed_forward); training, CPU inputs and autograd run eagerly.
+        (bert_fast.cuda_graph: buckets, costs, limits; at most ``max_cuda_graphs`` graphs, an
+        attribute, default 8); training, non-CUDA inputs and recording autograd run eagerly
+        with one CudaGraphFallbackWarning each.
     """
 
     def __init__(self, vocab_size, num_hiddens, norm_shape, ffn_num_input, ffn_num_hiddens,
@@ -336,6 +338,7 @@ class FastBERTEncoder(nn.Module):
         self.skip_padding = skip_padding
         self.check_inputs = check_inputs
         self.cuda_graphs = cuda_graphs
+        self.max_cuda_graphs = DEFAULT_MAX_GRAPHS
         self.token_embedding = nn.Embedding(vocab_size, num_hiddens)
         self.segment_embedding = nn.Embedding(2, num_hiddens)
         self.blks = nn.Sequential()
@@ -346,8 +349,14 @@ class FastBERTEncoder(nn.Module):
                 backend=self.backend))
         self.pos_embedding = nn.Parameter(torch.randn(1, max_len, num_hiddens))
 
+    def clear_cuda_graphs(self):
+        """Drop the CUDA graphs captured for this encoder (cuda_graphs=True); the next calls
+        capture again. Returns how many were dropped."""
+        return clear_cuda_graphs(self)
+
     def pack_qkv_(self):
-        """FastMultiHeadAttention.pack_qkv_() for every block (for inference); returns self."""
+        """FastMultiHeadAttention.pack_qkv_() for every block (done at construction, after
+        ``.to()`` and ``load_state_dict``); returns self."""
         for blk in self.blks:
             blk.attention.pack_qkv_()
         return self

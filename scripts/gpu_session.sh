@@ -4,7 +4,7 @@
 # root on the GPU machine, e.g. with the device tool:
 #
 #   bash scripts/gpu_session.sh install tests          # call 1: build with CUDA, every test (~10 min)
-#   bash scripts/gpu_session.sh sanitize kernels       # call 2: compute-sanitizer, per-kernel numbers
+#   bash scripts/gpu_session.sh sanitize kernels host  # call 2: compute-sanitizer, per-kernel and host numbers
 #   bash scripts/gpu_session.sh suite-base             # call 3: the matrix, BERT-base bf16 ...
 #   bash scripts/gpu_session.sh suite-base-fp16 suite-large suite-train
 #
@@ -56,6 +56,9 @@ for step in "$@"; do
         done ;;
     kernels)
         run kernels python -m bert_fast.kernel_bench --json "$results/$stamp-kernels.json" ;;
+    host)
+        # Host time of a forward and forward+backward at negligible arithmetic, kernel launches per layer.
+        run host python -m bert_fast.bench --suite host --json "$results/$stamp-host.json" ;;
     suite-base) suite suite-base --preset base --dtype bfloat16 --shapes dense long mixed latency ;;
     suite-base-fp16) suite suite-base-fp16 --preset base --dtype float16 --shapes dense long mixed latency ;;
     suite-large) suite suite-large --preset large --dtype bfloat16 --shapes dense long mixed latency --no-autotune ;;
@@ -66,7 +69,7 @@ for step in "$@"; do
             --matrix-preset base --matrix-dtype bfloat16 -k "not max_autotune" \
             --matrix-record "$results/$stamp-matrix.json" --benchmark-json "$results/$stamp-matrix-benchmark.json" ;;
     *)
-        echo "unknown step '$step' (install tests sanitize kernels suite-base suite-base-fp16 suite-large" \
+        echo "unknown step '$step' (install tests sanitize kernels host suite-base suite-base-fp16 suite-large" \
              "suite-train matrix)" >&2
         failures=$((failures + 1)) ;;
     esac

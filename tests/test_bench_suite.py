@@ -26,6 +26,7 @@ def expected_methods(shape):
                                        for name in ("optimize", "optimize_skip_padding")]
     names = INFERENCE_PEERS + [f"{name}{suffix}" for suffix in suffixes
                                for name in ("fast", "fast_skip_padding")]
+    names += ["fast_cuda_graphs", "fast_skip_padding_cuda_graphs"]
     return names + (["fast_compile_reduce_overhead", "fast_cuda_graph"] if shape == "latency" else [])
 
 
@@ -73,7 +74,8 @@ def test_every_method_is_a_row(record, shape):
     # --quick leaves compile out; CUDA graphs need CUDA; the exact paths always run on a CPU.
     assert all("not asked" in skipped[name] for name in skipped if name.startswith("compile"))
     assert "compile" in skipped
-    cuda_only = ["fast_compile_reduce_overhead", "fast_cuda_graph"] if shape == "latency" else []
+    cuda_only = (["fast_cuda_graphs", "fast_skip_padding_cuda_graphs"] if shape != "train" else []) + (
+        ["fast_compile_reduce_overhead", "fast_cuda_graph"] if shape == "latency" else [])
     for name in cuda_only:
         assert "CUDA only" in skipped[name]
     assert "eager" not in skipped
@@ -190,6 +192,9 @@ def test_pytest_matrix_smoke_run(tmp_path):
         assert [row["method"] for row in rows] == [
             name for name in expected_methods(shape) if "compile" not in name]
         for row in rows:
+            if "cuda_graphs" in row["method"]:          # CUDA only
+                assert "CUDA only" in row["skipped"], row
+                continue
             assert row["skipped"] is None, row
             assert row["median_ms"] > 0 and row["speedup_vs_eager"] > 0 and math.isfinite(row["error"])
             assert row["best_peer"] is not None
