@@ -43,6 +43,12 @@ def resolve_backend(backend=None):
     return name
 
 
+def backend_of(backend, tensor):
+    """backend_for(backend, tensor.device), without making the device object unless it is
+    needed (a module's forward asks on every call)."""
+    return backend if backend != "auto" else backend_for(backend, tensor.device)
+
+
 def backend_for(backend, device):
     """The ops' backend ("torch", "triton" or "cuda") for a resolved module backend and a device."""
     if backend == "auto":

@@ -13,7 +13,7 @@ from torch.nn import functional as F
 from torch.nn.modules import module as _nn_module
 
 from . import ops
-from .backend import backend_for, resolve_backend
+from .backend import backend_of, resolve_backend
 from .checks import check_encoder_inputs
 from .cuda_graph import DEFAULT_MAX_GRAPHS, clear_cuda_graphs, graphed_forward
 from .reference import AddNorm, BERTModel, MaskLM, NextSentencePred
@@ -87,26 +87,24 @@ class FastMultiHeadAttention(nn.Module):
     def _packed_qkv(self):
         """(3H, in) weight and (3H,) bias (or None) of the packed projection.
 
-        W_q, W_k and W_v lie back to back in one buffer (pack_qkv_, done at construction, after
-        ``.to()`` and after ``load_state_dict``), so the packed weight is that buffer, their live
-        memory: no copy. Under autograd it goes through _PackedQKV, which hands each Parameter
-        its slice of the gradient. Parameters that are not adjacent (replaced by hand, FSDP's
-        DTensors) and torch.compile tracing get a concatenation. The buffer is remembered with
-        the Parameters and their addresses (_QKVPacking): while it is held its memory cannot be
-        reused, so the same Parameters at the same addresses are still its parts.
+        Where autograd records nothing (inference), the packed weight is the buffer W_q, W_k and
+        W_v lie in back to back (pack_qkv_, done at construction, after ``.to()`` and after
+        ``load_state_dict``), their live memory: no copy. The buffer is remembered with the
+        Parameters and their addresses (_QKVPacking): while it is held its memory cannot be
+        reused, so the same Parameters at the same addresses are still its parts. Under autograd
+        (and for Parameters not packed, and while torch.compile traces) they are concatenated:
+        the concatenation's native autograd costs the host less than a Function handing each
+        Parameter its slice of the gradient (measured), and training reads each weight once.
         """
         params = self._qkv_params()
-        compiling = torch.compiler.is_compiling()
-        packing = None if compiling else self._qkv_packing
-        if packing is None or not packing.holds(params):
-            packing = None if compiling else _QKVPacking.of(params)
-            self._qkv_packing = packing
-        if packing is None:
-            weights, biases = params[:3], params[3:]
-            return torch.cat(weights), torch.cat(biases) if biases else None
-        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
-            return _PackedQKV.apply(packing.weight, packing.bias, *params)
-        return packing.weight, packing.bias
+        if not (torch.is_grad_enabled() and any(p.requires_grad for p in params)) and not torch.compiler.is_compiling():
+            packing = self._qkv_packing
+            if packing is None or not packing.holds(params):
+                packing = self._qkv_packing = _QKVPacking.of(params)
+            if packing is not None:
+                return packing.weight, packing.bias
+        weights, biases = params[:3], params[3:]
+        return torch.cat(weights), torch.cat(biases) if biases else None
 
     @torch.no_grad()
     def pack_qkv_(self):
@@ -139,7 +137,7 @@ class FastMultiHeadAttention(nn.Module):
         """As the reference. With ``unpadding`` (skip_padding), ``queries`` is the (N, H)
         packed valid tokens of a self-attention and ``unpadding`` says where they sit."""
         dropout_p = self._modules["dropout"].p if self.training else 0.0
-        backend = backend_for(self.backend, queries.device)
+        backend = backend_of(self.backend, queries)
         if unpadding is not None:
             qkv = F.linear(queries, *self._packed_qkv())
             context = ops.unpadded_self_attention(qkv, self.num_heads, unpadding, valid_lens,
@@ -213,38 +211,6 @@ def _repack_after_load(module, incompatible_keys):
     module.pack_qkv_()
 
 
-class _PackedQKV(torch.autograd.Function):
-    """``weight`` and ``bias`` (or None), views of W_q | W_k | W_v lying back to back (no
-    copy), with each Parameter's slice of their gradients: the concatenation's autograd
-    without the concatenation. ``parts``: the three weights, then the three biases if any.
-
-    A view of W_q's tensor shares only W_q's version counter, so an in-place change of W_k or
-    W_v between forward and backward would go unnoticed by the saved view; the backward checks
-    their versions and raises as autograd does for saved tensors."""
-
-    @staticmethod
-    def forward(ctx, weight, bias, *parts):
-        ctx.parts = parts
-        ctx.versions = [p._version for p in parts]
-        return weight, bias
-
-    @staticmethod
-    def backward(ctx, grad_weight, grad_bias):
-        for part, version in zip(ctx.parts, ctx.versions):
-            if part._version != version:
-                raise RuntimeError(
-                    f"one of the variables needed for gradient computation has been modified by an inplace "
-                    f"operation: a {tuple(part.shape)} parameter of the Q/K/V projections is at version "
-                    f"{part._version}; expected version {version} (bert_fast's packed QKV projection reads "
-                    f"W_q, W_k and W_v in place)")
-        weights, biases = ctx.parts[:3], ctx.parts[3:]
-        grads = [None] * len(ctx.parts)
-        for index, (grad, group) in enumerate(((grad_weight, weights), (grad_bias, biases))):
-            if grad is not None and group:
-                grads[3 * index:3 * index + 3] = grad.split_with_sizes([p.shape[0] for p in group])
-        return (None, None, *grads)
-
-
 class FastAddNorm(AddNorm):
     """``LayerNorm(X + dropout(Y))``: the reference's module, forward through the op."""
 
@@ -256,7 +222,7 @@ class FastAddNorm(AddNorm):
         ln = self._modules["ln"]
         return ops.add_layernorm(Y, X, ln._parameters["weight"], ln._parameters["bias"], ln.eps,
                                  self._modules["dropout"].p, self.training,
-                                 backend=backend_for(self.backend, X.device))
+                                 backend=backend_of(self.backend, X))
 
 
 class FastPositionWiseFFN(nn.Module):
@@ -273,7 +239,7 @@ class FastPositionWiseFFN(nn.Module):
     def forward(self, X):
         dense1 = self._modules["dense1"]._parameters
         hidden = ops.linear_act(X, dense1["weight"], dense1["bias"], self.activation,
-                                backend=backend_for(self.backend, X.device))
+                                backend=backend_of(self.backend, X))
         return _linear(self._modules["dense2"], hidden)
 
 
@@ -377,7 +343,7 @@ class FastBERTEncoder(nn.Module):
         instead of counting them on the host (what a CUDA graph captures)."""
         if self.check_inputs:
             self.validate_inputs(tokens, segments, valid_lens)
-        backend = backend_for(self.backend, tokens.device)
+        backend = backend_of(self.backend, tokens)
         embed = dict(token_weight=self.token_embedding.weight,
                      segment_weight=self.segment_embedding.weight,
                      pos_weight=self.pos_embedding, learn_pos_embedding=self.learn_pos_embedding,

@@ -444,7 +444,9 @@ class _AddLayerNorm(torch.autograd.Function):
     def forward(ctx, extension, x, residual, weight, bias, eps, seed, dropout_p):
         forward_op = _ext_fwd if extension else _add_layernorm_fwd
         out, mean, rstd = forward_op(x, residual, weight, bias, eps, seed, dropout_p)
-        ctx.save_for_backward(x, residual, weight, mean, rstd, seed)
+        ctx.save_for_backward(x, residual, weight)
+        # Intermediates (neither inputs nor outputs) may sit on ctx directly: no SavedVariable.
+        ctx.stats = (mean, rstd, seed)
         ctx.extension, ctx.dropout_p, ctx.has_bias = extension, dropout_p, bias is not None
         return out
 
@@ -452,7 +454,7 @@ class _AddLayerNorm(torch.autograd.Function):
     @once_differentiable("add_layernorm", "bert_fast::add_layernorm_bwd")
     def backward(ctx, grad_out):
         backward_op = _ext_bwd if ctx.extension else _add_layernorm_bwd
-        return (None, *_input_grads(ctx, ctx.saved_tensors, backward_op, grad_out), None, None, None)
+        return (None, *_input_grads(ctx, ctx.saved_tensors + ctx.stats, backward_op, grad_out), None, None, None)
 
 
 def add_layernorm(x, residual, weight, bias, eps=1e-5, dropout_p=0.0, training=False, *,
@@ -469,19 +471,21 @@ def add_layernorm(x, residual, weight, bias, eps=1e-5, dropout_p=0.0, training=F
     """
     if not uses_triton(backend):
         return _add_layernorm_torch(x, residual, weight, bias, eps, dropout_p, training)
-    dropout_p = float(dropout_p) if training else 0.0
-    seed = dropout_seed(dropout_p, x.device) if dropout_p > 0.0 else None
+    if training and dropout_p > 0.0:
+        dropout_p = float(dropout_p)
+        seed = dropout_seed(dropout_p, x.device)
+    else:
+        dropout_p, seed = 0.0, None
     extension = backend == "cuda"
     if extension:
         require_extension(x.device)
-    args = (x, residual, weight, bias, float(eps), seed, dropout_p)
     if use_registered_op():
         forward = torch.ops.bert_fast.ext_add_layernorm_fwd if extension else add_layernorm_fwd
-        return forward(*args)[0]
+        return forward(x, residual, weight, bias, float(eps), seed, dropout_p)[0]
     if records_grad(x, residual, weight, bias):
-        return _AddLayerNorm.apply(extension, *args)
+        return _AddLayerNorm.apply(extension, x, residual, weight, bias, eps, seed, dropout_p)
     if extension:
-        return _ext_fwd(*args)[0]
-    if x.device.type == "cpu":
-        return _add_layernorm_cpu(*args)
-    return _add_layernorm_fwd(*args)[0]
+        return _ext_fwd(x, residual, weight, bias, float(eps), seed, dropout_p)[0]
+    if x.is_cpu:
+        return _add_layernorm_cpu(x, residual, weight, bias, eps, seed, dropout_p)
+    return _add_layernorm_fwd(x, residual, weight, bias, eps, seed, dropout_p)[0]

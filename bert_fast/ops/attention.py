@@ -944,7 +944,7 @@ def _runs_kernel(qkv, dropout_p):
     """Eager triton/cuda backends: the Triton kernels on CUDA. On the CPU with dropout the twin
     (explicit math, the kernels' Philox mask); without dropout the PyTorch path, the same
     function at a fraction of the host time (no LSE, one SDPA call)."""
-    return qkv.device.type != "cpu" or dropout_p > 0.0
+    return not qkv.is_cpu or dropout_p > 0.0
 
 
 def packed_self_attention(qkv, num_heads, valid_lens=None, dropout_p=0.0, *, backend="torch"):
