@@ -9,6 +9,7 @@ set before this module is first imported (the test suite does that); launchers a
 tensors only in that mode.
 """
 
+import contextlib
 import os
 
 import torch
@@ -52,6 +53,29 @@ def require_triton(*tensors):
             continue
         raise ValueError(f"Triton kernels run on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), "
                          f"got a tensor on {t.device}")
+
+
+# Tests only (under TRITON_INTERPRET=1): send CPU tensors to the Triton launchers instead of the
+# CPU kernels, so the eager path a GPU takes (launchers, their Functions, the visible-key
+# counts) runs in the interpreter. See kernels_on_cpu().
+_KERNELS_ON_CPU = [False]
+
+
+def cpu_kernel(t):
+    """Whether an op runs its CPU kernel (plain PyTorch) on ``t`` rather than the Triton launcher."""
+    return t.is_cpu and not _KERNELS_ON_CPU[0]
+
+
+@contextlib.contextmanager
+def kernels_on_cpu():
+    """Within: CPU tensors take the Triton launchers (interpreter only), as CUDA tensors do."""
+    if not (HAS_TRITON and interpreting()):
+        raise RuntimeError("kernels_on_cpu() needs triton and TRITON_INTERPRET=1")
+    _KERNELS_ON_CPU[0] = True
+    try:
+        yield
+    finally:
+        _KERNELS_ON_CPU[0] = False
 
 
 def uses_triton(backend):

@@ -35,9 +35,10 @@ from torch.library import triton_op
 from torch.nn import functional as F
 
 from ..extension import require_extension
-from ._autograd import below_autograd, forbid_double_backward, once_differentiable, records_grad, use_registered_op
+from ._autograd import (below_autograd, forbid_double_backward, once_differentiable, records_grad,
+                        use_registered_op)
 from ._philox import check_seed, dropout_keep, dropout_seed
-from ._triton import (as_dtype, as_rows, compute_dtype, KERNEL_DTYPES, launch, reduction_programs,
+from ._triton import (as_dtype, as_rows, compute_dtype, cpu_kernel, KERNEL_DTYPES, launch, reduction_programs,
                       require_triton, tl, triton, uses_triton)
 
 # The whole row lives in registers (one tile row per normalised row).
@@ -337,13 +338,13 @@ def _add_layernorm_bwd_cpu(grad_out, x, residual, weight, mean, rstd, seed, drop
 
 def _add_layernorm_fwd(x, residual, weight, bias, eps, seed, dropout_p):
     """The launcher for the inputs' device: the Triton kernel, or the CPU kernel."""
-    if x.device.type == "cpu":
+    if cpu_kernel(x):
         return _add_layernorm_fwd_cpu(x, residual, weight, bias, eps, seed, dropout_p)
     return _add_layernorm_fwd_triton(x, residual, weight, bias, eps, seed, dropout_p)
 
 
 def _add_layernorm_bwd(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias):
-    if x.device.type == "cpu":
+    if cpu_kernel(x):
         return _add_layernorm_bwd_cpu(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias)
     return _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias)
 
@@ -486,6 +487,6 @@ def add_layernorm(x, residual, weight, bias, eps=1e-5, dropout_p=0.0, training=F
         return _AddLayerNorm.apply(extension, x, residual, weight, bias, eps, seed, dropout_p)
     if extension:
         return _ext_fwd(x, residual, weight, bias, float(eps), seed, dropout_p)[0]
-    if x.is_cpu:
+    if cpu_kernel(x):
         return _add_layernorm_cpu(x, residual, weight, bias, eps, seed, dropout_p)
     return _add_layernorm_fwd(x, residual, weight, bias, eps, seed, dropout_p)[0]

@@ -54,7 +54,8 @@ from torch.nn import functional as F
 from ..reference import MASK_VALUE
 from ._autograd import forbid_double_backward, once_differentiable, records_grad, use_registered_op
 from ._philox import check_seed, dropout_keep, dropout_seed
-from ._triton import as_dtype, compute_dtype, interpreting, launch, require_triton, tl, triton, uses_triton
+from ._triton import (as_dtype, compute_dtype, cpu_kernel, interpreting, launch, require_triton, tl, triton,
+                      uses_triton)
 from .padding import pad, unpad
 
 
@@ -89,10 +90,10 @@ class KeyMask(NamedTuple):
     query_keep: torch.Tensor | None = None      # key_mask()[1]
 
 
-def _launches_kernels(backend, device):
+def _launches_kernels(backend, tensor):
     """Whether this backend's attention runs our Triton kernels (and reads visible-key counts)
-    for tensors on ``device``: on CUDA, outside torch.compile (which takes raw valid_lens)."""
-    return uses_triton(backend) and device.type != "cpu" and not use_registered_op()
+    for tensors like ``tensor``: on CUDA, outside torch.compile (which takes raw valid_lens)."""
+    return uses_triton(backend) and not cpu_kernel(tensor) and not use_registered_op()
 
 
 def prepare_key_mask(valid_lens, seqlen, backend="torch", dtype=None):
@@ -102,7 +103,7 @@ def prepare_key_mask(valid_lens, seqlen, backend="torch", dtype=None):
     which SDPA would turn into a float mask on every call."""
     if valid_lens is None or isinstance(valid_lens, KeyMask):
         return valid_lens
-    if _launches_kernels(backend, valid_lens.device):
+    if _launches_kernels(backend, valid_lens):
         return KeyMask(valid_lens, counts=_visible_key_counts(valid_lens, valid_lens.shape[0], seqlen))
     if uses_triton(backend) and use_registered_op():
         return KeyMask(valid_lens)      # the registered op takes valid_lens as it is
@@ -823,25 +824,25 @@ def _varlen_attention_bwd_cpu(grad_out, qkv, out, lse, cu_seqlens, num_heads, ma
 
 def _attention_fwd(qkv, valid_lens, num_heads, dropout_p, seed, counts=None):
     """The launcher for qkv's device: the Triton kernel, or the CPU twin (explicit math)."""
-    if qkv.device.type == "cpu":
+    if cpu_kernel(qkv):
         return _attention_fwd_cpu(qkv, valid_lens, num_heads, dropout_p, seed)
     return _attention_fwd_triton(qkv, valid_lens, num_heads, dropout_p, seed, counts)
 
 
 def _attention_bwd(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed, counts=None):
-    if qkv.device.type == "cpu":
+    if cpu_kernel(qkv):
         return _attention_bwd_cpu(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed)
     return _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed, counts)
 
 
 def _varlen_attention_fwd(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed):
-    if qkv.device.type == "cpu":
+    if cpu_kernel(qkv):
         return _varlen_attention_fwd_cpu(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
     return _varlen_attention_fwd_triton(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
 
 
 def _varlen_attention_bwd(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed):
-    if qkv.device.type == "cpu":
+    if cpu_kernel(qkv):
         return _varlen_attention_bwd_cpu(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
     return _varlen_attention_bwd_triton(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
 
@@ -944,7 +945,7 @@ def _runs_kernel(qkv, dropout_p):
     """Eager triton/cuda backends: the Triton kernels on CUDA. On the CPU with dropout the twin
     (explicit math, the kernels' Philox mask); without dropout the PyTorch path, the same
     function at a fraction of the host time (no LSE, one SDPA call)."""
-    return not qkv.is_cpu or dropout_p > 0.0
+    return not cpu_kernel(qkv) or dropout_p > 0.0
 
 
 def packed_self_attention(qkv, num_heads, valid_lens=None, dropout_p=0.0, *, backend="torch"):

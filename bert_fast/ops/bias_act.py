@@ -34,7 +34,7 @@ from torch.library import triton_op
 from torch.nn import functional as F
 
 from ._autograd import forbid_double_backward, once_differentiable, records_grad, use_registered_op
-from ._triton import (as_dtype, as_rows, compute_dtype, KERNEL_DTYPES, launch, reduction_programs,
+from ._triton import (as_dtype, as_rows, compute_dtype, cpu_kernel, KERNEL_DTYPES, launch, reduction_programs,
                       require_triton, tl, triton, uses_triton)
 # Shared with add_layernorm: the dtypes the kernels take, the (rows, N) view the launchers
 # need, and the grid of a kernel that reduces over rows.
@@ -255,13 +255,13 @@ def _bias_act_bwd_cpu(grad_out, saved, bias, activation):
 
 def _bias_act_fwd(h, bias, activation):
     """The launcher for h's device: the Triton kernel, or the CPU kernel."""
-    if h.device.type == "cpu":
+    if cpu_kernel(h):
         return _bias_act_fwd_cpu(h, bias, activation)
     return _bias_act_fwd_triton(h, bias, activation)
 
 
 def _bias_act_bwd(grad_out, saved, bias, activation):
-    if saved.device.type == "cpu":
+    if cpu_kernel(saved):
         return _bias_act_bwd_cpu(grad_out, saved, bias, activation)
     return _bias_act_bwd_triton(grad_out, saved, bias, activation)
 

@@ -55,8 +55,10 @@ from torch.library import triton_op
 from torch.nn import functional as F
 
 from ..extension import require_extension
-from ._autograd import below_autograd, forbid_double_backward, once_differentiable, records_grad, use_registered_op
-from ._triton import KERNEL_DTYPES, as_dtype, compute_dtype, launch, require_triton, tl, triton, uses_triton
+from ._autograd import (below_autograd, forbid_double_backward, once_differentiable, records_grad,
+                        use_registered_op)
+from ._triton import (KERNEL_DTYPES, as_dtype, compute_dtype, cpu_kernel, launch, require_triton, tl, triton,
+                      uses_triton)
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -453,14 +455,14 @@ def _embedding_sum_bwd_cpu(grad_out, tokens, segments, positions, n_tokens, n_se
 
 def _embedding_sum_fwd(tokens, segments, token_weight, segment_weight, pos_weight, positions):
     """The launcher for the tables' device: the Triton kernel, or the CPU kernel."""
-    if token_weight.device.type == "cpu":
+    if cpu_kernel(token_weight):
         return _embedding_sum_fwd_cpu(tokens, segments, token_weight, segment_weight, pos_weight, positions)
     return _embedding_sum_fwd_triton(tokens, segments, token_weight, segment_weight, pos_weight, positions)
 
 
 def _embedding_sum_bwd(grad_out, tokens, segments, positions, n_tokens, n_segments, max_len,
                        learn_pos_embedding, deterministic):
-    if grad_out.device.type == "cpu":
+    if cpu_kernel(grad_out):
         return _embedding_sum_bwd_cpu(grad_out, tokens, segments, positions, n_tokens, n_segments,
                                       max_len, learn_pos_embedding, deterministic)
     return _embedding_sum_bwd_triton(grad_out, tokens, segments, positions, n_tokens, n_segments,

@@ -1,0 +1,97 @@
+"""The eager path a GPU takes, run in Triton's interpreter on CPU tensors.
+
+On a CPU the triton and cuda backends run their ops' CPU kernels; on a GPU the same eager path
+calls the Triton launchers, directly or through the ops' autograd.Functions, with the
+visible-key counts prepared once per forward. ``kernels_on_cpu()`` routes CPU tensors to the
+launchers (interpreter only), so that path's plumbing is checked here against the reference,
+forward and backward, before any GPU runs it.
+"""
+
+import pytest
+import torch
+
+from bert_fast import ops
+from bert_fast.ops._triton import kernels_on_cpu
+from tests.helpers import assert_close, encoder_config, encoder_pair, needs_kernels, random_inputs
+
+pytestmark = [needs_kernels, pytest.mark.skipif(torch.cuda.is_available(),
+                                                reason="on a GPU the GPU tests run this path for real")]
+
+B, L = 2, 11          # L not a multiple of the interpreter's 16-wide tiles
+
+
+def _backends():
+    from bert_fast.backend import resolve_backend
+    usable = ["triton"]
+    try:
+        resolve_backend("cuda")
+        usable.append("cuda")       # the extension's C++ ops beside the Triton attention
+    except ValueError:
+        pass
+    return usable
+
+
+def _compare(ref, fast, tokens, segments, valid_lens, valid_only=False):
+    """Output and every parameter's gradient against the reference (loss over valid positions
+    when ``valid_only``: skip_padding's padded rows are zeros by design)."""
+    out_ref, out_fast = ref(tokens, segments, valid_lens), fast(tokens, segments, valid_lens)
+    weights = torch.linspace(-1, 1, out_ref.shape[-1])
+    if valid_only:
+        weights = weights * (torch.arange(L)[None, :] < valid_lens[:, None])[..., None]
+        out_ref, out_fast = out_ref * (weights != 0), out_fast * (weights != 0)
+    assert_close(out_fast, out_ref, atol=1e-4, what="output")
+    (out_ref * weights).sum().backward()
+    (out_fast * weights).sum().backward()
+    fast_params = dict(fast.named_parameters())
+    for name, param in ref.named_parameters():
+        if param.grad is None:
+            assert fast_params[name].grad is None, name
+            continue
+        assert_close(fast_params[name].grad, param.grad, atol=1e-4, rtol=1e-4, what=f"grad {name}")
+
+
+@pytest.mark.parametrize("valid_lens", [None, torch.tensor([0.0, 6.5]), torch.tensor([[3] * L, list(range(L))])],
+                         ids=["none", "1d", "2d"])
+@pytest.mark.parametrize("backend", _backends())
+def test_encoder_through_the_kernels_matches_the_reference(backend, valid_lens):
+    ref, fast = encoder_pair(encoder_config(num_heads=2, head_dim=16, num_layers=2, ffn=48), backend=backend)
+    ref.train(), fast.train()           # dropout 0: the training path, deterministic
+    tokens, segments = random_inputs(B, L, 50)
+    with kernels_on_cpu():
+        key_mask = ops.prepare_key_mask(valid_lens, L, backend)
+        assert valid_lens is None or key_mask.counts is not None, "the kernels read visible-key counts"
+        _compare(ref, fast, tokens, segments, valid_lens)
+        ref.eval(), fast.eval()
+        with torch.inference_mode():     # straight to the launchers, no Function
+            assert_close(fast(tokens, segments, valid_lens), ref(tokens, segments, valid_lens), atol=1e-4)
+
+
+@pytest.mark.parametrize("activation, gemm_epilogue", [("relu", True), ("relu", False), ("gelu", None)])
+def test_ffn_paths_through_the_kernels(activation, gemm_epilogue):
+    """ReLU in the GEMM epilogue (_LinearReLU) and GEMM + the bias_act kernel (_BiasAct)."""
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    weight = torch.randn(24, 16, requires_grad=True)
+    bias = torch.randn(24, requires_grad=True)
+    expected = ops.linear_act(x, weight, bias, activation)         # torch backend
+    grads = torch.autograd.grad(expected.sum(), (x, weight, bias))
+    with kernels_on_cpu():
+        out = ops.linear_act(x, weight, bias, activation, backend="triton", gemm_epilogue=gemm_epilogue)
+        assert_close(out, expected, atol=1e-5)
+        for got, want, name in zip(torch.autograd.grad(out.sum(), (x, weight, bias)), grads, ("x", "weight", "bias")):
+            assert_close(got, want, atol=1e-4, what=f"d{name}")
+
+
+def test_skip_padding_through_the_varlen_kernel():
+    cfg = encoder_config(num_heads=2, head_dim=16, num_layers=1, ffn=48)
+    ref, fast = encoder_pair(cfg, backend="triton", skip_padding=True)
+    ref.train(), fast.train()
+    tokens, segments = random_inputs(B, L, 50)
+    with kernels_on_cpu():
+        _compare(ref, fast, tokens, segments, torch.tensor([4.0, 11.0]), valid_only=True)
+
+
+def test_kernels_on_cpu_is_for_the_interpreter_only(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        with kernels_on_cpu():
+            pass
