@@ -43,6 +43,18 @@ def resolve_backend(backend=None):
     return name
 
 
+def available_backends():
+    """The backends this install can run (BACKENDS that resolve_backend accepts here)."""
+    usable = []
+    for name in BACKENDS:
+        try:
+            resolve_backend(name)
+        except ValueError:
+            continue
+        usable.append(name)
+    return usable
+
+
 def backend_of(backend, tensor):
     """backend_for(backend, tensor.device), without making the device object unless it is
     needed (a module's forward asks on every call)."""

@@ -222,10 +222,10 @@ def _module_checks_off(encoder):
 
 
 @contextlib.contextmanager
-def _gc_disabled():
+def gc_disabled():
     """Python's cyclic GC off during a capture: it can finalise a Triton CompiledKernel, whose
-    destructor unloads a CUDA module, which invalidates the capture (triton-lang/triton#10712;
-    bert_fast.kernel_bench does the same)."""
+    destructor unloads a CUDA module, which invalidates the capture (triton-lang/triton#10712,
+    which made triton's own do_bench_cudagraph do the same). Also used by kernel_bench."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -235,14 +235,14 @@ def _gc_disabled():
             gc.enable()
 
 
-def _end_failed_capture(device, pool):
+def end_failed_capture(device, pool):
     """Leave the allocator and the device usable after a capture into ``pool`` failed.
 
     Up to at least torch 2.11, CUDAGraph.capture_end raises on an invalidated capture before it
     tells the caching allocator (pytorch/pytorch#180395); the allocator then believes a capture
     is still under way and the next empty_cache(), which every torch.cuda.graph entry calls,
     fails an internal assert, so no later capture could succeed. Where capture_end did tell it,
-    this call raises "not currently recording" and is ignored (bert_fast.kernel_bench's fix).
+    this call raises "not currently recording" and is ignored. Also used by kernel_bench.
     The synchronize reports, and so clears, a non-sticky capture error."""
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
     if end is not None:
@@ -262,7 +262,7 @@ def _warmup_and_capture(run, device, pool, warmup_iters, capture_error_mode="glo
 
     The caller's stream waits for the warmup, and the capture stream for the caller's earlier
     work (the static inputs are written there). Whatever warmup or capture raises is raised
-    again, after a failed capture has been ended for the allocator (_end_failed_capture). Our
+    again, after a failed capture has been ended for the allocator (end_failed_capture). Our
     own stream context encloses torch.cuda.graph's: when capture_end raises, graph's __exit__
     never restores the caller's stream, this context still does.
     """
@@ -276,11 +276,11 @@ def _warmup_and_capture(run, device, pool, warmup_iters, capture_error_mode="glo
                     run()
                 graph = torch.cuda.CUDAGraph()
                 try:
-                    with _gc_disabled(), torch.cuda.graph(graph, pool=pool, stream=stream,
+                    with gc_disabled(), torch.cuda.graph(graph, pool=pool, stream=stream,
                                                           capture_error_mode=capture_error_mode):
                         output = run()
                 except BaseException:
-                    _end_failed_capture(device, pool)
+                    end_failed_capture(device, pool)
                     raise
         finally:
             current.wait_stream(stream)

@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .bench_common import (HOST_RECORD_KIND, Progress, default_device, environment_info, host_record_markdown,
                            make_inputs, synchronize, write_json, _rotated)
-from .backend import resolve_backend
+from .backend import available_backends, resolve_backend
 from .modules import FastBERTEncoder
 from .reference import BERTEncoder
 
@@ -53,17 +53,6 @@ def encoder_config(num_layers, num_hiddens, num_heads, ffn_num_hiddens, seq, dro
                 ffn_num_input=num_hiddens, ffn_num_hiddens=ffn_num_hiddens, num_heads=num_heads,
                 num_layers=num_layers, dropout=dropout, max_len=max(seq, 8), key_size=num_hiddens,
                 query_size=num_hiddens, value_size=num_hiddens)
-
-
-def usable_backends():
-    usable = []
-    for backend in ("torch", "triton", "cuda"):
-        try:
-            resolve_backend(backend)
-        except ValueError:
-            continue
-        usable.append(backend)
-    return usable
 
 
 def build_models(config, backends, device, check_inputs=True, seed=0):
@@ -257,7 +246,7 @@ def parse_args(argv):
     if options.hidden % options.heads:
         parser.error(f"--hidden ({options.hidden}) must be divisible by --heads ({options.heads})")
     options.device = torch.device(options.device) if options.device else default_device()
-    options.backends = options.backends or usable_backends()
+    options.backends = options.backends or [b for b in available_backends() if b != "auto"]
     for backend in options.backends:
         try:
             resolve_backend(backend)

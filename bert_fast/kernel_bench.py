@@ -34,9 +34,7 @@ figures; the run goes on.
 """
 
 import argparse
-import contextlib
 import datetime
-import gc
 import json
 import statistics
 import sys
@@ -46,6 +44,7 @@ import torch
 from torch.nn import functional as F
 
 from . import extension, ops
+from .cuda_graph import end_failed_capture, gc_disabled
 from .ops._triton import interpreting
 
 WARMUP_CALLS = 3
@@ -111,40 +110,6 @@ def _sync():
     torch.cuda.synchronize()
 
 
-@contextlib.contextmanager
-def _gc_disabled():
-    """Python's cyclic GC off during a capture: it can finalise a Triton CompiledKernel, whose
-    destructor unloads a CUDA module, which invalidates the capture (triton-lang/triton#10712,
-    which made triton's own do_bench_cudagraph do the same)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def _end_failed_capture(pool):
-    """Tell the caching allocator that a failed capture into ``pool`` is over.
-
-    Up to at least torch 2.11, CUDAGraph.capture_end raises on an invalidated capture before it
-    tells the allocator (pytorch/pytorch#180395); the allocator then believes a capture is still
-    under way and the next empty_cache(), which every torch.cuda.graph entry calls, fails an
-    internal assert: one uncapturable method would send every later one to do_bench. Where
-    capture_end did tell it, this call raises "not currently recording" and is ignored."""
-    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-    if end is not None:
-        try:
-            end(torch.cuda.current_device(), pool)
-        except Exception:
-            pass
-    try:
-        _sync()        # a non-sticky capture error is reported (and cleared) here, not by do_bench
-    except Exception:
-        pass
-
-
 def _graph_ms(fn, calls, replays):
     """Per-call GPU ms of ``fn`` from CUDA-graph replays: a list with one value per replay.
 
@@ -161,11 +126,11 @@ def _graph_ms(fn, calls, replays):
         _sync()
         graph = torch.cuda.CUDAGraph()
         try:
-            with _gc_disabled(), torch.cuda.graph(graph, pool=pool, stream=stream):
+            with gc_disabled(), torch.cuda.graph(graph, pool=pool, stream=stream):
                 for _ in range(calls):
                     fn()
         except Exception:
-            _end_failed_capture(pool)
+            end_failed_capture(torch.device("cuda", torch.cuda.current_device()), pool)
             raise
         graph.replay()                             # the first launch uploads the graph
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))

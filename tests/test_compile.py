@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from bert_fast.backend import available_backends
+
 from tests.helpers import assert_close, encoder_config, encoder_pair, random_inputs
 
 
@@ -52,18 +54,6 @@ def test_fullgraph_compile_with_dropout_through_the_triton_ops():
     assert fast.blks[0].attention.W_q.weight.grad is not None
 
 
-def _usable_backends():
-    from bert_fast.backend import BACKENDS, resolve_backend
-    usable = []
-    for backend in BACKENDS:
-        try:
-            resolve_backend(backend)
-        except ValueError:
-            continue
-        usable.append(backend)
-    return usable
-
-
 # The registered ops each backend's encoder must show torch.compile (the eager thin path's
 # autograd.Functions must not be what it traces).
 REGISTERED_OPS = {
@@ -74,7 +64,7 @@ REGISTERED_OPS = {
 }
 
 
-@pytest.mark.parametrize("backend", _usable_backends())
+@pytest.mark.parametrize("backend", available_backends())
 def test_thin_eager_path_and_compiled_registered_ops_agree(backend):
     """Eager calls take the thin path (launchers, autograd.Functions); torch.compile(fullgraph)
     traces the registered ops. Both must give the same values and gradients, and the compiled

@@ -5,6 +5,7 @@ import torch
 
 from bert_fast import FastBERTEncoder, FastBERTModel, FastEncoderBlock
 from bert_fast import reference as R
+from bert_fast.backend import available_backends
 from tests.helpers import FLOOR, assert_close, encoder_config, encoder_pair, max_err, random_inputs
 
 B, L = 3, 13   # L not a multiple of 16
@@ -367,20 +368,8 @@ def test_pack_qkv_after_optimize_keeps_the_shared_modules_working():
         assert torch.equal(original_W_k(x), expected_projection)
 
 
-def _usable_backends():
-    from bert_fast.backend import BACKENDS, resolve_backend
-    usable = []
-    for backend in BACKENDS:
-        try:
-            resolve_backend(backend)
-        except ValueError:
-            continue
-        usable.append(backend)
-    return usable
-
-
 @pytest.mark.parametrize("skip_padding", [False, True], ids=["exact", "skip_padding"])
-@pytest.mark.parametrize("backend", _usable_backends())
+@pytest.mark.parametrize("backend", available_backends())
 def test_output_can_be_edited_in_place_as_the_reference_allows(backend, skip_padding):
     """Autograd forbids in-place edits of an op's output that is a view; the reference's output
     is none, so ours must not be either (a user's ``out.mul_()`` or ``out[mask] = 0``)."""
@@ -399,7 +388,7 @@ def test_output_can_be_edited_in_place_as_the_reference_allows(backend, skip_pad
             assert_close(param.grad, grads[name].grad, atol=1e-4, rtol=1e-4, what=f"grad {name}")
 
 
-@pytest.mark.parametrize("backend", _usable_backends())
+@pytest.mark.parametrize("backend", available_backends())
 def test_double_backward_runs_on_torch_and_says_it_is_unsupported_elsewhere(backend):
     """A gradient penalty (create_graph=True, then backward again): the torch path supports
     it; the fused kernels have no second derivative and must say so, never drop the terms."""

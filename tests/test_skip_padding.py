@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from bert_fast.backend import available_backends
+
 from tests.helpers import assert_close, encoder_config, encoder_pair, random_inputs
 
 B, L = 4, 13
@@ -74,19 +76,7 @@ def test_learn_pos_embedding_gradient_matches_exact_mode():
     assert_close(skip.pos_embedding.grad, exact.pos_embedding.grad, atol=1e-4, rtol=1e-4)
 
 
-def _usable_backends():
-    from bert_fast.backend import BACKENDS, resolve_backend
-    usable = []
-    for backend in BACKENDS:
-        try:
-            resolve_backend(backend)
-        except ValueError:
-            continue
-        usable.append(backend)
-    return usable
-
-
-@pytest.mark.parametrize("backend", _usable_backends())
+@pytest.mark.parametrize("backend", available_backends())
 def test_a_static_token_count_gives_the_counted_result(backend):
     """skip_padding with a static bound on the valid tokens (what a CUDA graph captures: no host
     read): the filler rows past the valid count change nothing and are dropped."""

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from bert_fast import ops
+from bert_fast.backend import available_backends
 from bert_fast.ops._triton import kernels_on_cpu
 from tests.helpers import assert_close, encoder_config, encoder_pair, needs_kernels, random_inputs
 
@@ -18,17 +19,6 @@ pytestmark = [needs_kernels, pytest.mark.skipif(torch.cuda.is_available(),
                                                 reason="on a GPU the GPU tests run this path for real")]
 
 B, L = 2, 11          # L not a multiple of the interpreter's 16-wide tiles
-
-
-def _backends():
-    from bert_fast.backend import resolve_backend
-    usable = ["triton"]
-    try:
-        resolve_backend("cuda")
-        usable.append("cuda")       # the extension's C++ ops beside the Triton attention
-    except ValueError:
-        pass
-    return usable
 
 
 def _compare(ref, fast, tokens, segments, valid_lens, valid_only=False):
@@ -52,7 +42,7 @@ def _compare(ref, fast, tokens, segments, valid_lens, valid_only=False):
 
 @pytest.mark.parametrize("valid_lens", [None, torch.tensor([0.0, 6.5]), torch.tensor([[3] * L, list(range(L))])],
                          ids=["none", "1d", "2d"])
-@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("backend", [b for b in available_backends() if b in ("triton", "cuda")])
 def test_encoder_through_the_kernels_matches_the_reference(backend, valid_lens):
     ref, fast = encoder_pair(encoder_config(num_heads=2, head_dim=16, num_layers=2, ffn=48), backend=backend)
     ref.train(), fast.train()           # dropout 0: the training path, deterministic
