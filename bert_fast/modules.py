@@ -100,7 +100,9 @@ class FastMultiHeadAttention(nn.Module):
         if not (torch.is_grad_enabled() and any(p.requires_grad for p in params)) and not torch.compiler.is_compiling():
             packing = self._qkv_packing
             if packing is None or not packing.holds(params):
-                packing = self._qkv_packing = _QKVPacking.of(params)
+                packing = _QKVPacking.of(params)
+                if packing is not None:
+                    self._qkv_packing = packing
             if packing is not None:
                 return packing.weight, packing.bias
         weights, biases = params[:3], params[3:]

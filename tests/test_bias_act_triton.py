@@ -189,3 +189,15 @@ def test_gpu_linear_act_and_compile_match_torch_backend(activation):
     for run in results[1:]:
         for a, b, name in zip(run, results[0], ("out", "d_x", "d_weight", "d_bias")):
             assert_close(a.float(), b.float(), atol=2e-2, rtol=1e-2, what=f"{activation} {name}")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_linear_act_under_autocast_follows_its_cast_lists(backend):
+    """Under autocast the GEMM runs in the autocast dtype, as F.linear does there (the epilogue
+    path is left out while autocast is on)."""
+    x, weight, bias = torch.randn(4, 8), torch.randn(16, 8), torch.randn(16)
+    with torch.autocast("cpu", torch.bfloat16):
+        out = linear_act(x, weight, bias, "relu", backend=backend)
+        expected = torch.relu(torch.nn.functional.linear(x, weight, bias))
+    assert out.dtype == expected.dtype == torch.bfloat16
+    assert_close(out.float(), expected.float(), atol=5e-2)

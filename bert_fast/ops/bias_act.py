@@ -331,6 +331,9 @@ def bias_act(h, bias, activation="relu"):
 # Bias + ReLU inside the GEMM (see the module docstring); False: GEMM, then the bias_act kernel.
 GEMM_EPILOGUE = True
 
+# Whether autocast is on for any device (torch.is_autocast_enabled() alone is CUDA's).
+_autocasting = getattr(torch._C, "_is_any_autocast_enabled", torch.is_autocast_enabled)
+
 
 def _linear_relu_epilogue(x, weight, bias):
     """relu(x @ weight^T + bias) in one GEMM with a fused epilogue, shaped x.shape[:-1] + (N,).
@@ -375,14 +378,16 @@ def linear_act(x, weight, bias, activation="relu", *, backend="torch", gemm_epil
     """``act(x @ weight^T + bias)``; see the module docstring for the paths.
 
     ReLU with a bias runs in the GEMM's epilogue (``gemm_epilogue``, default GEMM_EPILOGUE; on
-    backend="torch" only where autograd records nothing). Otherwise backend="torch": F.linear,
-    then the activation; other backends: the GEMM without bias, then the fused bias_act kernel. Eager calls launch directly (autograd through _LinearReLU /
-    _BiasAct); torch.compile sees F.linear and the registered bias_act op.
+    backend="torch" only where autograd records nothing; never under autocast, whose cast lists
+    hold F.linear but not every device's _addmm_activation). Otherwise backend="torch":
+    F.linear, then the activation; other backends: the GEMM without bias, then the fused
+    bias_act kernel. Eager calls launch directly (autograd through _LinearReLU / _BiasAct);
+    torch.compile sees F.linear and the registered bias_act op.
     """
     _check_activation(activation)
     compiling = use_registered_op()
-    epilogue = (GEMM_EPILOGUE if gemm_epilogue is None else gemm_epilogue) and activation == "relu" \
-        and bias is not None and not compiling
+    epilogue = ((GEMM_EPILOGUE if gemm_epilogue is None else gemm_epilogue) and activation == "relu"
+                and bias is not None and not compiling and not _autocasting())
     recorded = records_grad(x, weight, bias)
     if epilogue and not recorded:
         # Nothing records this output, so it may be a view of the 2-D GEMM result.
