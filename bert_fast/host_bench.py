@@ -152,7 +152,7 @@ def time_mode(models, mode, inputs, device, rounds, calls, warmup, progress=None
     return per_round
 
 
-def make_rows(mode, per_round, ops, launches, num_layers, backends):
+def make_rows(mode, per_round, ops, launches, num_layers):
     baseline = statistics.median(per_round[BASELINE])
     torch_name = "fast[torch]"
     torch_median = statistics.median(per_round[torch_name]) if torch_name in per_round else None
@@ -185,7 +185,7 @@ def run(options, progress):
         launches = {name: count_launches(model, mode, inputs, device) for name, model in models.items()}
         per_round = time_mode(models, mode, inputs, device, options.rounds, options.calls, options.warmup,
                               progress)
-        rows += make_rows(mode, per_round, ops, launches, options.layers, options.backends)
+        rows += make_rows(mode, per_round, ops, launches, options.layers)
         _prepare(models, "forward")
     return rows
 

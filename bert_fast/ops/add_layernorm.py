@@ -294,17 +294,6 @@ def _add_layernorm_fwd_cpu(x, residual, weight, bias, eps, seed, dropout_p):
     return as_dtype(out, x.dtype), mean, rstd
 
 
-def _add_layernorm_cpu(x, residual, weight, bias, eps, seed, dropout_p):
-    """The CPU kernel where nothing needs the statistics (inference): F.layer_norm of the sum."""
-    acc = compute_dtype(x.dtype)
-    if dropout_p == 0.0 and x.dtype == acc:
-        return F.layer_norm(residual + x, x.shape[-1:], weight, bias, eps)
-    _check_dropout_p(dropout_p)
-    check_seed(seed, dropout_p, x.device)
-    s, _ = _dropped_sum_cpu(x, residual, seed, dropout_p, acc)
-    return as_dtype(F.layer_norm(s, x.shape[-1:], as_dtype(weight, acc), as_dtype(bias, acc), eps), x.dtype)
-
-
 _native_layer_norm_backward = torch.ops.aten.native_layer_norm_backward.default
 
 
@@ -487,6 +476,4 @@ def add_layernorm(x, residual, weight, bias, eps=1e-5, dropout_p=0.0, training=F
         return _AddLayerNorm.apply(extension, x, residual, weight, bias, eps, seed, dropout_p)
     if extension:
         return _ext_fwd(x, residual, weight, bias, float(eps), seed, dropout_p)[0]
-    if cpu_kernel(x):
-        return _add_layernorm_cpu(x, residual, weight, bias, eps, seed, dropout_p)
     return _add_layernorm_fwd(x, residual, weight, bias, eps, seed, dropout_p)[0]

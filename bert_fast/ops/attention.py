@@ -977,11 +977,11 @@ def unpadded_self_attention(qkv, num_heads, unpadding, valid_lens, dropout_p=0.0
     Every query of a sequence is valid and sees exactly its sequence's valid keys, so each
     sequence is plain unmasked attention over its own tokens. The triton backend runs that as
     one varlen launch over ``unpadding.cu_seqlens``, bounded by the padded length (``valid_lens``
-    is already applied by the unpadding). On the torch backend (and the CPU without dropout),
-    on the CPU we run it one SDPA call per sequence (no padding copies, no masked work);
-    elsewhere (and for a static unpadding, which has no host counts) one call over the re-padded
-    (B, L) layout with the key mask keeps the launch count independent of B. ``per_sequence``
-    forces one or the other (torch backend only).
+    is already applied by the unpadding). The torch backend (and the others on the CPU without
+    dropout) runs it on the CPU as one SDPA call per sequence (no padding copies, no masked
+    work); elsewhere, and for a static unpadding (no host counts), as one call over the
+    re-padded (B, L) layout with the key mask, which keeps the launch count independent of B.
+    ``per_sequence`` forces one or the other (the PyTorch path only).
     """
     if uses_triton(backend):
         dropout_p = float(dropout_p)
