@@ -46,6 +46,28 @@ def assert_close(actual, expected, atol, rtol=0.0, what="output"):
     assert err <= bound, f"{what}: max abs error {err:.3g} > {bound:.3g}"
 
 
+def compare_forward_backward(ref, fast, tokens, segments, valid_lens, atol=1e-4, valid_only=False):
+    """Same output, and the same gradient on every parameter (names are shared), for a random
+    loss over the output. ``valid_only`` (skip_padding, whose padded rows are zeros by design):
+    outputs and loss over the valid positions of 1-D ``valid_lens`` only."""
+    out_ref, out_fast = ref(tokens, segments, valid_lens), fast(tokens, segments, valid_lens)
+    w = torch.randn_like(out_ref)
+    if valid_only:
+        valid = (torch.arange(tokens.shape[1])[None, :] < valid_lens[:, None])[..., None]
+        w, out_ref, out_fast = w * valid, out_ref * valid, out_fast * valid
+    assert_close(out_fast, out_ref, atol=atol, what="output")
+    (out_ref * w).sum().backward()
+    (out_fast * w).sum().backward()
+    ref_params, fast_params = dict(ref.named_parameters()), dict(fast.named_parameters())
+    assert ref_params.keys() == fast_params.keys()
+    for name, p in ref_params.items():
+        q = fast_params[name]
+        if p.grad is None:
+            assert q.grad is None, f"{name}: fast has a gradient where the reference has none"
+            continue
+        assert_close(q.grad, p.grad, atol=atol, rtol=atol, what=f"grad {name}")
+
+
 def assert_within_rule(actual, reference, same_precision_torch, what="output"):
     """STYLE.md: error vs the (fp64) reference <= 2x PyTorch's error at that precision + floor."""
     bound = 2 * max_err(same_precision_torch, reference) + FLOOR[actual.dtype]

@@ -6,7 +6,8 @@ import torch
 from bert_fast import FastBERTEncoder, FastBERTModel, FastEncoderBlock
 from bert_fast import reference as R
 from bert_fast.backend import available_backends
-from tests.helpers import FLOOR, assert_close, encoder_config, encoder_pair, max_err, random_inputs
+from tests.helpers import (FLOOR, assert_close, compare_forward_backward, encoder_config, encoder_pair, max_err,
+                           random_inputs)
 
 B, L = 3, 13   # L not a multiple of 16
 
@@ -26,27 +27,6 @@ def valid_lens_case(name, batch, seqlen):
 
 
 VALID_LENS = ["none", "int", "float", "fractional", "zero", "negative", "beyond_L", "2d", "2d_float"]
-
-
-def loss_weights(out):
-    return torch.randn_like(out)
-
-
-def compare_forward_backward(ref, fast, tokens, segments, valid_lens, atol=1e-4):
-    """Same output, and the same gradient on every parameter (names are shared)."""
-    out_ref, out_fast = ref(tokens, segments, valid_lens), fast(tokens, segments, valid_lens)
-    assert_close(out_fast, out_ref, atol=atol, what="output")
-    w = loss_weights(out_ref)
-    (out_ref * w).sum().backward()
-    (out_fast * w).sum().backward()
-    ref_params, fast_params = dict(ref.named_parameters()), dict(fast.named_parameters())
-    assert ref_params.keys() == fast_params.keys()
-    for name, p in ref_params.items():
-        q = fast_params[name]
-        if p.grad is None:
-            assert q.grad is None, f"{name}: fast has a gradient where the reference has none"
-            continue
-        assert_close(q.grad, p.grad, atol=atol, rtol=atol, what=f"grad {name}")
 
 
 @pytest.mark.parametrize("case", VALID_LENS)
@@ -129,7 +109,7 @@ def test_learn_pos_embedding_gradient():
         X = blk(X, valid_lens)
     out = fast(tokens, segments, valid_lens)
     assert_close(out, X, atol=1e-4)
-    w = loss_weights(X)
+    w = torch.randn_like(X)
     (X * w).sum().backward()
     (out * w).sum().backward()
     assert_close(fast.pos_embedding.grad, ref.pos_embedding.grad, atol=1e-4, rtol=1e-4, what="pos grad")

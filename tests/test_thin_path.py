@@ -13,31 +13,13 @@ import torch
 from bert_fast import ops
 from bert_fast.backend import available_backends
 from bert_fast.ops._triton import kernels_on_cpu
-from tests.helpers import assert_close, encoder_config, encoder_pair, needs_kernels, random_inputs
+from tests.helpers import (assert_close, compare_forward_backward, encoder_config, encoder_pair, needs_kernels,
+                           random_inputs)
 
 pytestmark = [needs_kernels, pytest.mark.skipif(torch.cuda.is_available(),
                                                 reason="on a GPU the GPU tests run this path for real")]
 
 B, L = 2, 11          # L not a multiple of the interpreter's 16-wide tiles
-
-
-def _compare(ref, fast, tokens, segments, valid_lens, valid_only=False):
-    """Output and every parameter's gradient against the reference (loss over valid positions
-    when ``valid_only``: skip_padding's padded rows are zeros by design)."""
-    out_ref, out_fast = ref(tokens, segments, valid_lens), fast(tokens, segments, valid_lens)
-    weights = torch.linspace(-1, 1, out_ref.shape[-1])
-    if valid_only:
-        weights = weights * (torch.arange(L)[None, :] < valid_lens[:, None])[..., None]
-        out_ref, out_fast = out_ref * (weights != 0), out_fast * (weights != 0)
-    assert_close(out_fast, out_ref, atol=1e-4, what="output")
-    (out_ref * weights).sum().backward()
-    (out_fast * weights).sum().backward()
-    fast_params = dict(fast.named_parameters())
-    for name, param in ref.named_parameters():
-        if param.grad is None:
-            assert fast_params[name].grad is None, name
-            continue
-        assert_close(fast_params[name].grad, param.grad, atol=1e-4, rtol=1e-4, what=f"grad {name}")
 
 
 @pytest.mark.parametrize("valid_lens", [None, torch.tensor([0.0, 6.5]), torch.tensor([[3] * L, list(range(L))])],
@@ -50,7 +32,7 @@ def test_encoder_through_the_kernels_matches_the_reference(backend, valid_lens):
     with kernels_on_cpu():
         key_mask = ops.prepare_key_mask(valid_lens, L, backend)
         assert valid_lens is None or key_mask.counts is not None, "the kernels read visible-key counts"
-        _compare(ref, fast, tokens, segments, valid_lens)
+        compare_forward_backward(ref, fast, tokens, segments, valid_lens)
         ref.eval(), fast.eval()
         with torch.inference_mode():     # straight to the launchers, no Function
             assert_close(fast(tokens, segments, valid_lens), ref(tokens, segments, valid_lens), atol=1e-4)
@@ -77,7 +59,7 @@ def test_skip_padding_through_the_varlen_kernel():
     ref.train(), fast.train()
     tokens, segments = random_inputs(B, L, 50)
     with kernels_on_cpu():
-        _compare(ref, fast, tokens, segments, torch.tensor([4.0, 11.0]), valid_only=True)
+        compare_forward_backward(ref, fast, tokens, segments, torch.tensor([4.0, 11.0]), valid_only=True)
 
 
 def test_kernels_on_cpu_is_for_the_interpreter_only(monkeypatch):
