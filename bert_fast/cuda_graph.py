@@ -82,9 +82,8 @@ eps, num_heads, hooks added after capture): call ``clear_cuda_graphs(encoder)`` 
 
 Memory and cost. The first call of a bucket runs 3 eager warmup forwards on a side stream
 (Triton autotuning for new shapes happens there), then captures (``torch.cuda.graph`` first
-synchronises and empties PyTorch's cache), then replays: for BERT-base at B1 L128 about four
-eager forwards, 30-50 ms (an estimate from SUMMARY.md section 2's 7.9-12.6 ms eager forwards),
-more when kernels autotune. A bucket holds its static inputs and output
+synchronises and empties PyTorch's cache), then replays: about four eager forwards' time,
+more when kernels autotune (not measured on a GPU yet). A bucket holds its static inputs and output
 (B_b * L_b * (2 id + H) elements); the graphs of one encoder share one memory pool, so their
 activations overlap (the pool grows to the largest forward's activations, not their sum): the
 graphs replay one at a time, on the caller's current stream (a call from another stream than
