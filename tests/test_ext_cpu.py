@@ -433,3 +433,29 @@ def test_add_layernorm_bwd_validation(ops):
         ops.ext_add_layernorm_bwd(x, x, x, w, stats, torch.zeros(3), None, 0.0, True)
     with pytest.raises(ValueError, match="needs a seed"):
         ops.ext_add_layernorm_bwd(x, x, x, w, stats, stats, None, 0.5, True)
+
+
+# ---------------------------------------------------------------------------------------------
+# backend="cuda" asks the extension before each call (extension.require_extension)
+
+def test_cuda_backend_rejects_devices_the_extension_lacks(ops):
+    x = torch.empty(2, 8, device="meta")
+    with pytest.raises(ValueError, match="run on CPU and CUDA tensors, got a tensor on meta"):
+        bert_fast.ops.add_layernorm(x, x, None, None, backend="cuda")
+    ids = torch.zeros(1, 3, dtype=torch.long, device="meta")
+    with pytest.raises(ValueError, match="got a tensor on meta"):
+        bert_fast.ops.embedding_sum(ids, ids, torch.empty(5, 8, device="meta"), torch.empty(2, 8, device="meta"),
+                                    torch.empty(1, 4, 8, device="meta"), backend="cuda")
+
+
+def test_cuda_backend_without_cuda_kernels_says_so(ops, monkeypatch):
+    # A CUDA tensor with an extension built without its CUDA ops: the check, not the dispatcher,
+    # answers (the tensor's device is faked: this machine may have no GPU).
+    monkeypatch.setitem(bert_fast.extension._state, "cuda_kernels", False)
+
+    class OnCuda:
+        is_cpu, is_cuda, device = False, True, torch.device("cuda")
+
+    with pytest.raises(RuntimeError, match="built without CUDA"):
+        bert_fast.extension.require_extension(OnCuda())
+    bert_fast.extension.require_extension(torch.zeros(1))      # CPU tensors still pass

@@ -31,9 +31,15 @@ def records_grad(*tensors):
 def below_autograd(op, *args):
     """Call a registered op's device kernel directly, skipping its (Python) autograd kernel:
     for the eager path, where autograd is handled by a Function or not needed at all. About
-    half the host time of a plain call of an extension op with a Python autograd formula."""
-    with torch._C._AutoDispatchBelowAutograd():
+    half the host time of a plain call of an extension op with a Python autograd formula.
+    Inference mode already leaves the autograd keys out: no guard to enter there."""
+    if torch.is_inference_mode_enabled():
         return op(*args)
+    with _BelowAutograd():
+        return op(*args)
+
+
+_BelowAutograd = torch._C._AutoDispatchBelowAutograd
 
 
 def _double_backward_message(what, op_name):

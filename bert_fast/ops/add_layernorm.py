@@ -34,6 +34,7 @@ import torch
 from torch.library import triton_op
 from torch.nn import functional as F
 
+from .. import extension
 from ..extension import require_extension
 from ._autograd import (below_autograd, forbid_double_backward, once_differentiable, records_grad,
                         use_registered_op)
@@ -419,11 +420,11 @@ def register_extension_ops():
 
 
 def _ext_fwd(*args):
-    return below_autograd(torch.ops.bert_fast.ext_add_layernorm_fwd, *args)
+    return below_autograd(extension.OP_ENTRIES["ext_add_layernorm_fwd"], *args)
 
 
 def _ext_bwd(*args):
-    return below_autograd(torch.ops.bert_fast.ext_add_layernorm_bwd, *args)
+    return below_autograd(extension.OP_ENTRIES["ext_add_layernorm_bwd"], *args)
 
 
 class _AddLayerNorm(torch.autograd.Function):
@@ -468,7 +469,7 @@ def add_layernorm(x, residual, weight, bias, eps=1e-5, dropout_p=0.0, training=F
         dropout_p, seed = 0.0, None
     extension = backend == "cuda"
     if extension:
-        require_extension(x.device)
+        require_extension(x)
     if use_registered_op():
         forward = torch.ops.bert_fast.ext_add_layernorm_fwd if extension else add_layernorm_fwd
         return forward(x, residual, weight, bias, float(eps), seed, dropout_p)[0]

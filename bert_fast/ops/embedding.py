@@ -54,6 +54,7 @@ import torch
 from torch.library import triton_op
 from torch.nn import functional as F
 
+from .. import extension
 from ..extension import require_extension
 from ._autograd import (below_autograd, forbid_double_backward, once_differentiable, records_grad,
                         use_registered_op)
@@ -573,11 +574,11 @@ class _EmbeddingSum(torch.autograd.Function):
 
 
 def _ext_fwd(*args):
-    return below_autograd(torch.ops.bert_fast.ext_embedding_sum_fwd, *args)
+    return below_autograd(extension.OP_ENTRIES["ext_embedding_sum_fwd"], *args)
 
 
 def _ext_bwd(*args):
-    return below_autograd(torch.ops.bert_fast.ext_embedding_sum_bwd, *args)
+    return below_autograd(extension.OP_ENTRIES["ext_embedding_sum_bwd"], *args)
 
 
 def _triton_bwd(*args):
@@ -610,7 +611,7 @@ def embedding_sum(tokens, segments, token_weight, segment_weight, pos_weight, *,
         pos_weight = pos_weight.detach()
     extension = backend == "cuda" and not (deterministic and token_weight.device.type == "cuda")
     if extension:
-        require_extension(token_weight.device)
+        require_extension(token_weight)
     tables = (token_weight, segment_weight, pos_weight)
     if use_registered_op():
         if extension:
