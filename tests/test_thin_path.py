@@ -67,3 +67,13 @@ def test_kernels_on_cpu_is_for_the_interpreter_only(monkeypatch):
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         with kernels_on_cpu():
             pass
+
+
+def test_functions_take_the_full_apply_inside_functorch_transforms():
+    # thin_apply skips Function.apply's Python preamble only outside transforms; inside one the
+    # full apply runs, and these Functions (no setup_context) get functorch's own error.
+    x = torch.randn(2, 8, requires_grad=True)
+    out = ops.add_layernorm(x, x, None, None, backend="triton")
+    assert type(out.grad_fn).__name__ == "_AddLayerNormBackward"
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda t: ops.add_layernorm(t, t, None, None, backend="triton").sum())(x.detach())

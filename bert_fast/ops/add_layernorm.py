@@ -36,7 +36,7 @@ from torch.nn import functional as F
 
 from .. import extension
 from ..extension import require_extension
-from ._autograd import (below_autograd, forbid_double_backward, once_differentiable, records_grad,
+from ._autograd import (below_autograd, forbid_double_backward, once_differentiable, records_grad, thin_apply,
                         use_registered_op)
 from ._philox import check_seed, dropout_keep, dropout_seed
 from ._triton import (as_dtype, as_rows, compute_dtype, cpu_kernel, KERNEL_DTYPES, launch, reduction_programs,
@@ -474,7 +474,7 @@ def add_layernorm(x, residual, weight, bias, eps=1e-5, dropout_p=0.0, training=F
         forward = torch.ops.bert_fast.ext_add_layernorm_fwd if extension else add_layernorm_fwd
         return forward(x, residual, weight, bias, float(eps), seed, dropout_p)[0]
     if records_grad(x, residual, weight, bias):
-        return _AddLayerNorm.apply(extension, x, residual, weight, bias, eps, seed, dropout_p)
+        return thin_apply(_AddLayerNorm, extension, x, residual, weight, bias, eps, seed, dropout_p)
     if extension:
         return _ext_fwd(x, residual, weight, bias, float(eps), seed, dropout_p)[0]
     return _add_layernorm_fwd(x, residual, weight, bias, eps, seed, dropout_p)[0]

@@ -52,7 +52,7 @@ from torch.library import triton_op
 from torch.nn import functional as F
 
 from ..reference import MASK_VALUE
-from ._autograd import forbid_double_backward, once_differentiable, records_grad, use_registered_op
+from ._autograd import forbid_double_backward, once_differentiable, records_grad, thin_apply, use_registered_op
 from ._philox import check_seed, dropout_keep, dropout_seed
 from ._triton import (as_dtype, compute_dtype, cpu_kernel, interpreting, launch, require_triton, tl, triton,
                       uses_triton)
@@ -966,7 +966,7 @@ def packed_self_attention(qkv, num_heads, valid_lens=None, dropout_p=0.0, *, bac
     counts = valid_lens.counts if isinstance(valid_lens, KeyMask) else None
     valid_lens = _raw(valid_lens)
     if records_grad(qkv):
-        return _Attention.apply(qkv, valid_lens, counts, num_heads, None, dropout_p, seed)
+        return thin_apply(_Attention, qkv, valid_lens, counts, num_heads, None, dropout_p, seed)
     return _attention_fwd(qkv, valid_lens, num_heads, dropout_p, seed, counts)[0]
 
 
@@ -991,7 +991,7 @@ def unpadded_self_attention(qkv, num_heads, unpadding, valid_lens, dropout_p=0.0
             return varlen_attention_fwd(*args)[0]
         if _runs_kernel(qkv, dropout_p):
             if records_grad(qkv):
-                return _Attention.apply(qkv, unpadding.cu_seqlens, None, num_heads, unpadding.seqlen,
+                return thin_apply(_Attention, qkv, unpadding.cu_seqlens, None, num_heads, unpadding.seqlen,
                                         dropout_p, seed)
             return _varlen_attention_fwd(*args)[0]
     hidden = qkv.shape[-1] // 3

@@ -33,7 +33,7 @@ import torch
 from torch.library import triton_op
 from torch.nn import functional as F
 
-from ._autograd import forbid_double_backward, once_differentiable, records_grad, use_registered_op
+from ._autograd import forbid_double_backward, once_differentiable, records_grad, thin_apply, use_registered_op
 from ._triton import (as_dtype, as_rows, compute_dtype, cpu_kernel, KERNEL_DTYPES, launch, reduction_programs,
                       require_triton, tl, triton, uses_triton)
 # Shared with add_layernorm: the dtypes the kernels take, the (rows, N) view the launchers
@@ -324,7 +324,7 @@ def bias_act(h, bias, activation="relu"):
     if use_registered_op():
         return bias_act_fwd(h, bias, activation)
     if records_grad(h, bias):
-        return _BiasAct.apply(h, bias, activation)
+        return thin_apply(_BiasAct, h, bias, activation)
     return _bias_act_fwd(h, bias, activation)
 
 
@@ -398,5 +398,5 @@ def linear_act(x, weight, bias, activation="relu", *, backend="torch", gemm_epil
     if compiling:
         return bias_act_fwd(F.linear(x, weight), bias, activation)
     if epilogue:
-        return _LinearReLU.apply(x, weight, bias)
+        return thin_apply(_LinearReLU, x, weight, bias)
     return bias_act(F.linear(x, weight), bias, activation)

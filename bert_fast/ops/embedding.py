@@ -56,7 +56,7 @@ from torch.nn import functional as F
 
 from .. import extension
 from ..extension import require_extension
-from ._autograd import (below_autograd, forbid_double_backward, once_differentiable, records_grad,
+from ._autograd import (below_autograd, forbid_double_backward, once_differentiable, records_grad, thin_apply,
                         use_registered_op)
 from ._triton import (KERNEL_DTYPES, as_dtype, compute_dtype, cpu_kernel, launch, require_triton, tl, triton,
                       uses_triton)
@@ -620,5 +620,5 @@ def embedding_sum(tokens, segments, token_weight, segment_weight, pos_weight, *,
     forward = _ext_fwd if extension else _embedding_sum_fwd
     if records_grad(*tables):
         backward = _ext_bwd if extension else _triton_bwd_deterministic if deterministic else _triton_bwd
-        return _EmbeddingSum.apply(forward, backward, tokens, segments, *tables, positions)
+        return thin_apply(_EmbeddingSum, forward, backward, tokens, segments, *tables, positions)
     return forward(tokens, segments, *tables, positions)
