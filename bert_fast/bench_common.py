@@ -7,8 +7,9 @@ no benchmark imports another.
   models and inputs    encoder_config, build_models (eager, compile and FastBERTEncoder on the
                        same weights), fast_encoder_sharing, make_inputs, max_error
   timing               first_call, time_interleaved (rounds with a rotating order), synchronize,
-                       Progress (the status line on stderr)
-  records              environment_info (what every record carries), write_json, load_json
+                       Progress (the status line on stderr, numbered steps)
+  records              environment_info (what every record carries), default_record_path (where
+                       a run writes its record unless told), write_json, load_json
   reading records      format_markdown / table_from_files (``--table-from``) for every record
                        kind, replace_generated_table (``--readme``: the README block
                        whose marker names the records), plot_from_json
@@ -16,6 +17,7 @@ no benchmark imports another.
 """
 
 import copy
+import datetime
 import itertools
 import json
 import math
@@ -182,15 +184,19 @@ def _rotated(items, shift):
     return items[shift:] + items[:shift]
 
 
-def time_interleaved(methods, inputs, device, *, rounds, untimed_rounds=0, on_call=None):
+def time_interleaved(methods, inputs, device, *, rounds, untimed_rounds=0, on_call=None,
+                     on_round=None):
     """Seconds per call of each method over ``rounds`` rounds, each calling every method once.
 
     Rotating the order spreads drift of the machine (other jobs, clocks, caches) over all
-    methods instead of charging it to whichever runs last. ``on_call(name, round, rounds)`` is
-    told before each call; untimed rounds are numbered ``-untimed_rounds .. -1``.
+    methods instead of charging it to whichever runs last. ``on_round(round, rounds)`` is told
+    before each round and ``on_call(name, round, rounds)`` before each call; untimed rounds are
+    numbered ``-untimed_rounds .. -1``.
     """
     seconds = {method.name: [] for method in methods}
     for round_index in range(-untimed_rounds, rounds):
+        if on_round is not None:
+            on_round(round_index, rounds)
         for method in _rotated(list(methods), round_index):
             if on_call is not None:
                 on_call(method.name, round_index, rounds)
@@ -206,24 +212,42 @@ def time_interleaved(methods, inputs, device, *, rounds, untimed_rounds=0, on_ca
 class Progress:
     """A status line on stderr, rewritten in place with '\\r', and notes that stay.
 
-    When stderr is not a terminal (a log file, CI) a rewritten line would pile up into one
-    long line, so updates become ordinary lines, at most one every ``log_interval_s``.
+    Two kinds of status: ``step`` numbers the steps of a run whose count is known in advance
+    ("[k/N] ..."; ``total_steps`` is N) and shows every one of them, so the counter reads 1, 2,
+    ... N in a log too; ``update`` is a free-form status. When stderr is not a terminal (a log
+    file, CI) a rewritten line would pile up into one long line, so each step becomes an
+    ordinary line, and updates too, at most one every ``log_interval_s``.
     """
 
-    def __init__(self, stream=sys.stderr, log_interval_s=10.0):
-        self.stream = stream
-        self.interactive = stream.isatty()
+    def __init__(self, stream=None, log_interval_s=10.0, total_steps=None):
+        # Looked up per instance, not bound at import: a test's captured stderr is seen.
+        self.stream = sys.stderr if stream is None else stream
+        self.interactive = self.stream.isatty()
         self.log_interval_s = log_interval_s
         self.last_logged = -math.inf
         self.width = 0
+        self.total_steps = total_steps
+        self.steps_done = 0
+
+    def step(self, message):
+        """Start the next numbered step: '[k/N] message'."""
+        self.steps_done += 1
+        line = f"[{self.steps_done}/{self.total_steps}] {message}"
+        if self.interactive:
+            self._rewrite(line)
+        else:
+            self._write(line + "\n")
 
     def update(self, message):
         if self.interactive:
-            self._write("\r" + message.ljust(self.width))
-            self.width = len(message)
+            self._rewrite(message)
         elif time.monotonic() - self.last_logged >= self.log_interval_s:
             self.last_logged = time.monotonic()
             self._write(message + "\n")
+
+    def _rewrite(self, message):
+        self._write("\r" + message.ljust(self.width))
+        self.width = len(message)
 
     def note(self, message):
         self._write(("\r" + message.ljust(self.width) if self.interactive else message) + "\n")
@@ -267,6 +291,45 @@ def environment_info(device):
         python=platform.python_version(), platform=platform.platform(),
         auto_backend=backend_for("auto", device),
         extension=extension.loaded_from() if extension.load() else None)
+
+
+# Records go under the working directory: run from a checkout's root (as the README does) they
+# join the checkout's records; run from elsewhere they land where the user is, not inside an
+# installed package, which may be read-only and is no place for data.
+RESULTS_FOLDER = Path("benchmarks", "results")
+
+
+def device_slug(device):
+    """'nvidia-h100-80gb-hbm3', or 'cpu-2core' (the existing CPU records' naming)."""
+    name = (torch.cuda.get_device_name(device) if device.type == "cuda"
+            else f"cpu-{os.cpu_count()}core")
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def default_record_path(device, suffix="", now=None, folder=RESULTS_FOLDER):
+    """folder/<device>-<date>T<hhmm>[-suffix].json, e.g. cpu-2core-2026-11-23T0912.json;
+    -2, -3 ... are appended rather than overwrite a record."""
+    now = datetime.datetime.now() if now is None else now
+    stem = f"{device_slug(device)}-{now:%Y-%m-%dT%H%M}" + (f"-{suffix}" if suffix else "")
+    path, number = Path(folder, f"{stem}.json"), 2
+    while path.exists():
+        path, number = Path(folder, f"{stem}-{number}.json"), number + 1
+    return path
+
+
+def record_path_for(json_option, device, suffix=""):
+    """Where a run writes its record: ``--json``'s path, else default_record_path. Its folder is
+    made now, so a place that cannot be written ends the command before the run, not after it."""
+    path = Path(json_option) if json_option else default_record_path(device, suffix)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        writable = os.access(path.parent, os.W_OK)
+    except OSError:
+        writable = False
+    if not writable:
+        sys.exit(f"python -m bert_fast.bench: error: cannot write a record into {path.parent}; "
+                 f"give --json PATH or --no-record")
+    return path
 
 
 def write_json(record, path):
