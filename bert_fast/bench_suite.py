@@ -35,8 +35,9 @@ speedups vs eager and vs the best peer (the fastest method that is not bert_fast
 TFLOP/s (FLOP_FORMULA) and its share of the matmul peak measured in the same run, the error
 against the fp32 eager reference, and peak memory (CUDA).
 
-Records: each run writes benchmarks/results/<device>-<date>.json (or --json PATH), rewritten
-after every shape so that a run cut short keeps what it measured. ``--table-from`` prints a
+Records: each run writes benchmarks/results/<device>-<date>T<time>-matrix.json under the
+working directory (or --json PATH; --no-record: none), rewritten after every shape so that a
+run cut short keeps what it measured, and prints where. ``--table-from`` prints a
 record as markdown tables (the README's performance table); ``--plot PATH --plot-from JSON``
 draws it (both read records in bert_fast/bench_common.py, which has what this module shares
 with the main job).
@@ -51,13 +52,10 @@ import argparse
 import copy
 import datetime
 import gc
-import os
-import re
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Callable, NamedTuple, Optional
 
 import numpy as np
@@ -65,15 +63,13 @@ import torch
 
 from .backend import BACKENDS, backend_for, resolve_backend
 from .bench_common import (BASELINE, DTYPES, PRESETS, SUITE_RECORD_KIND, Method, Progress,
-                           build_models, default_device, encoder_config, environment_info,
-                           failure_reason, fast_encoder_sharing, figure_class, first_call,
-                           group_markdown, make_inputs, max_error, plot_suite, synchronize,
-                           time_interleaved, write_json)
+                           build_models, default_device, encoder_config,
+                           environment_info, failure_reason, fast_encoder_sharing, figure_class,
+                           first_call, group_markdown, make_inputs, max_error, plot_suite,
+                           record_path_for, synchronize, time_interleaved, write_json)
 from .convert import optimize
 from .cuda_graph import capture_encoder
 from .reference import BERTModel, pretraining_loss
-
-RESULTS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
 
 @dataclass(frozen=True)
@@ -613,23 +609,6 @@ def add_speedups(rows):
 
 # --------------------------------------------------------------------------- records
 
-def device_slug(device):
-    """'nvidia-h100-80gb-hbm3', or 'cpu-2core' (the existing CPU records' naming)."""
-    name = (torch.cuda.get_device_name(device) if device.type == "cuda"
-            else f"cpu-{os.cpu_count()}core")
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
-def default_record_path(device, today):
-    """benchmarks/results/<device>-<date>.json, with -2, -3 ... rather than overwrite a record."""
-    folder = RESULTS_DIR if RESULTS_DIR.parent.is_dir() else Path.cwd() / "benchmarks" / "results"
-    stem = f"{device_slug(device)}-{today.isoformat()}"
-    path, number = folder / f"{stem}.json", 2
-    while path.exists():
-        path, number = folder / f"{stem}-{number}.json", number + 1
-    return path
-
-
 def make_suite_record(rows, matmul_peaks, options, shapes, device, argv):
     return dict(
         kind=SUITE_RECORD_KIND,
@@ -652,33 +631,59 @@ def rounds_for(shape, options):
     return options.rounds if options.rounds is not None else ROUNDS[shape.name]
 
 
-def parse_args(argv):
+def _shape_words(shape):
+    what = "one training step, " if shape.training else ""
+    return f"{shape.name} ({what}B{shape.batch} L{shape.seq})"
+
+
+def build_parser():
     parser = argparse.ArgumentParser(
         prog="python -m bert_fast.bench",
         description="The benchmark matrix of issue 5: presets x dtypes x shapes, every peer and "
                     "every bert_fast method on the same weights, one record per run.")
-    parser.add_argument("--suite", choices=["gpu"], required=True)
-    parser.add_argument("--preset", nargs="+", choices=PRESETS, default=["base", "large"])
-    parser.add_argument("--dtype", nargs="+", choices=DTYPES, default=["bfloat16", "float16"])
-    parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
+    parser.add_argument("--suite", choices=["gpu"], required=True,
+                        help="gpu: this benchmark (python -m bert_fast.bench --help: the main job)")
+    parser.add_argument("--preset", nargs="+", choices=PRESETS, default=["base", "large"],
+                        help="model sizes (default: base large)")
+    parser.add_argument("--dtype", nargs="+", choices=DTYPES, default=["bfloat16", "float16"],
+                        help="dtypes of weights and activations (default: bfloat16 float16)")
+    parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES),
+                        help=f"{', '.join(map(_shape_words, SHAPES.values()))} (default: all)")
     parser.add_argument("--backends", nargs="+", choices=BACKENDS,
                         help="FastBERTEncoder backends (default: auto and every other one that can run)")
-    parser.add_argument("--device", help="default: cuda if available, else cpu")
-    parser.add_argument("--rounds", type=int, help=f"timed rounds of every shape (default: {ROUNDS})")
-    parser.add_argument("--warmup", type=int, help=f"untimed rounds after the first call (default: {WARMUP})")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", help="e.g. cpu, cuda, cuda:1 (default: cuda if available, else cpu)")
+    parser.add_argument("--rounds", type=int, metavar="N",
+                        help="timed rounds of every shape (default: "
+                             f"{', '.join(f'{name} {rounds}' for name, rounds in ROUNDS.items())}; "
+                             f"with --quick {QUICK['rounds']})")
+    parser.add_argument("--warmup", type=int, metavar="N",
+                        help=f"untimed rounds after the first call (default: {WARMUP}; with --quick "
+                             f"{QUICK['warmup']})")
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (default: 0)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="the torch.compile methods (default: on, off with --quick)")
     parser.add_argument("--no-autotune", dest="autotune", action="store_false",
-                        help="leave out compile mode='max-autotune' (minutes to compile per shape)")
+                        help="leave out compile mode='max-autotune' (default: timed; minutes to "
+                             "compile per shape)")
     parser.add_argument("--quick", action="store_true",
                         help=f"smoke test: B <= {QUICK['max_batch']}, L <= {QUICK['max_seq']}, "
                              f"{QUICK['rounds']} rounds, no compile unless --compile")
-    parser.add_argument("--matmul-n", type=int, help="size of the peak matmul (default: 8192 on CUDA; "
+    parser.add_argument("--matmul-n", type=int, metavar="N", help="size of the peak matmul (default: 8192 on CUDA; "
                                                      "on CPU 1024, fp16 256)")
-    parser.add_argument("--json", metavar="PATH",
-                        help="record path (default: benchmarks/results/<device>-<date>.json)")
+    record = parser.add_mutually_exclusive_group()
+    record.add_argument("--json", metavar="PATH",
+                        help="write the record here, rewritten after every shape (default: "
+                             "benchmarks/results/<device>-<date>T<time>-matrix.json under the "
+                             "current directory; the folder is made if missing, and -2, -3 ... "
+                             "are appended rather than overwrite a record)")
+    record.add_argument("--no-record", action="store_true",
+                        help="write no record (default: write one, see --json)")
     parser.add_argument("--plot", metavar="PATH", help="also draw the record into this PNG")
+    return parser
+
+
+def parse_args(argv):
+    parser = build_parser()
     options = parser.parse_args(argv)
     if options.plot:
         try:
@@ -745,27 +750,28 @@ def main(argv, record_argv=None):
     start = time.perf_counter()
     options, shapes = parse_args(argv)
     device = options.device
-    path = Path(options.json) if options.json else default_record_path(device, datetime.date.today())
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = None if options.no_record else record_path_for(options.json, device, "matrix")
     command = list(sys.orig_argv) if record_argv is None else list(record_argv)
     env = environment_info(device)
     print(f"suite gpu on {env['device_name']} ({device}); presets {options.preset}, dtypes "
           f"{options.dtype}, shapes {[s.name for s in shapes]}, backends {options.backends}, "
           f"compile {options.compile}, autotune {options.autotune and options.compile}; "
-          f"record {path}", flush=True)
+          f"record {path or 'none (--no-record)'}", flush=True)
     progress = Progress()
 
     def on_group(rows, peaks, group):
         # Rewritten after every group: a run stopped by a time limit keeps what it measured.
-        write_json(make_suite_record(rows, peaks, options, shapes, device, command), path)
+        if path is not None:
+            write_json(make_suite_record(rows, peaks, options, shapes, device, command), path)
         progress.close()
         print(group_markdown(group) + "\n", flush=True)
 
     rows, peaks = run_suite(options, shapes, progress, on_group)
     progress.close()
     record = make_suite_record(rows, peaks, options, shapes, device, command)
-    write_json(record, path)
-    print(f"wrote {path}")
+    if path is not None:
+        write_json(record, path)
+        print(f"wrote {path}")
     if options.plot:
         plot_suite([record], options.plot)
         print(f"wrote {options.plot}")

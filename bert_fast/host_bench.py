@@ -23,6 +23,10 @@ On CPU tensors the "triton" backend runs its ops' CPU kernels (plain PyTorch: SD
 native_layer_norm, addmm with the ReLU epilogue), not Triton's launcher, whose own cost shows
 only on a GPU; the "cuda" backend runs the extension's C++ ops. So on a GPU run this benchmark
 again: it is the one that counts launches and sees Triton's launcher.
+
+Each run prints its tables and writes a record to --json PATH, by default
+benchmarks/results/<device>-<date>T<time>-host.json under the working directory (--no-record:
+none), and prints where.
 """
 
 import argparse
@@ -30,14 +34,13 @@ import datetime
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .bench_common import (HOST_RECORD_KIND, Progress, default_device, environment_info, host_record_markdown,
-                           make_inputs, synchronize, write_json, _rotated)
+                           make_inputs, record_path_for, synchronize, write_json, _rotated)
 from .backend import available_backends, resolve_backend
 from .modules import FastBERTEncoder
 from .reference import BERTEncoder
@@ -212,34 +215,56 @@ TIMING = ("host microseconds per call, median over interleaved rounds (rotating 
           "CUDA kernels, memcpys and memsets of one call (torch.profiler), per layer likewise")
 
 
-def parse_args(argv):
+def build_parser():
     parser = argparse.ArgumentParser(
-        prog="python -m bert_fast.bench --suite host",
+        prog="python -m bert_fast.bench",
         description="Host time (Python, dispatcher, launches) of an encoder forward and forward+backward "
                     "at a shape with negligible arithmetic: the reference against FastBERTEncoder on every "
                     "backend. Runs on CPU and GPU.")
-    parser.add_argument("--suite", choices=["host"], required=True)
-    parser.add_argument("--device", help="default: cuda if available, else cpu")
+    parser.add_argument("--suite", choices=["host"], required=True,
+                        help="host: this benchmark (python -m bert_fast.bench --help: the main job)")
+    parser.add_argument("--device", help="e.g. cpu, cuda, cuda:1 (default: cuda if available, else cpu)")
     parser.add_argument("--backends", nargs="+", choices=["torch", "triton", "cuda"],
                         help="FastBERTEncoder backends (default: every one this install can run)")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--layers", type=int, default=SHAPE["num_layers"])
-    parser.add_argument("--hidden", type=int, default=SHAPE["num_hiddens"])
-    parser.add_argument("--heads", type=int, default=SHAPE["num_heads"])
-    parser.add_argument("--ffn", type=int, default=SHAPE["ffn_num_hiddens"])
-    parser.add_argument("--batch", type=int, default=SHAPE["batch"])
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="forward: eval, under torch.inference_mode; forward+backward: train "
+                             "mode, output.sum() backward (default: both)")
+    parser.add_argument("--layers", type=int, default=SHAPE["num_layers"],
+                        help="encoder layers (default: %(default)s)")
+    parser.add_argument("--hidden", type=int, default=SHAPE["num_hiddens"],
+                        help="hidden size H (default: %(default)s)")
+    parser.add_argument("--heads", type=int, default=SHAPE["num_heads"],
+                        help="attention heads, dividing H (default: %(default)s)")
+    parser.add_argument("--ffn", type=int, default=SHAPE["ffn_num_hiddens"],
+                        help="FFN hidden size (default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=SHAPE["batch"],
+                        help="batch size B (default: %(default)s)")
     parser.add_argument("--seq", type=int, default=SHAPE["seq"],
-                        help="padded length L; valid lengths uniform in [L/2, L]")
+                        help="padded length L; valid lengths uniform in [L/2, L] (default: %(default)s)")
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="the models' dropout (train mode, forward+backward); default 0: the host path "
                              "without dropout work")
     parser.add_argument("--check-inputs", action=argparse.BooleanOptionalAction, default=True,
                         help="FastBERTEncoder's check_inputs (default: on, as constructed by users)")
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--calls", type=int, default=20, help="calls per method and round")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH", help="write the record here")
+    parser.add_argument("--rounds", type=int, metavar="N", default=15,
+                        help="timed rounds, each calling every method (default: %(default)s)")
+    parser.add_argument("--calls", type=int, metavar="N", default=20,
+                        help="calls per method and round (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, metavar="N", default=2, help="untimed rounds (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (default: 0)")
+    record = parser.add_mutually_exclusive_group()
+    record.add_argument("--json", metavar="PATH",
+                        help="write the record here (default: "
+                             "benchmarks/results/<device>-<date>T<time>-host.json under the "
+                             "current directory; the folder is made if missing, and -2, -3 ... "
+                             "are appended rather than overwrite a record)")
+    record.add_argument("--no-record", action="store_true",
+                        help="write no record (default: write one, see --json)")
+    return parser
+
+
+def parse_args(argv):
+    parser = build_parser()
     options = parser.parse_args(argv)
     if min(options.rounds, options.calls, options.layers, options.batch, options.seq) < 1 or options.warmup < 0:
         parser.error("--rounds, --calls, --layers, --batch and --seq must be >= 1, --warmup >= 0")
@@ -258,6 +283,7 @@ def parse_args(argv):
 def main(argv, record_argv=None):
     start = time.perf_counter()
     options = parse_args(argv)
+    path = None if options.no_record else record_path_for(options.json, options.device, "host")
     env = environment_info(options.device)
     print(f"suite host on {env['device_name']} ({options.device}, {torch.get_num_threads()} threads): "
           f"{options.layers} layers, H {options.hidden}, {options.heads} heads, FFN {options.ffn}, "
@@ -267,9 +293,8 @@ def main(argv, record_argv=None):
     progress.close()
     record = make_record(rows, options, sys.orig_argv if record_argv is None else record_argv)
     print(host_record_markdown(record))
-    if options.json:
-        Path(options.json).parent.mkdir(parents=True, exist_ok=True)
-        write_json(record, options.json)
-        print(f"wrote {options.json}")
+    if path is not None:
+        write_json(record, path)
+        print(f"wrote {path}")
     print(f"total wall time {time.perf_counter() - start:.1f} s")
     return record

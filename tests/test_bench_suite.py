@@ -155,15 +155,17 @@ def test_a_failing_method_becomes_a_skipped_row():
     assert skipped["missing"] == "not installed"
 
 
-def test_default_record_path_never_overwrites(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench_suite, "RESULTS_DIR", tmp_path / "results")
-    (tmp_path / "results").mkdir()
-    day = datetime.date(2026, 11, 21)
-    first = bench_suite.default_record_path(CPU, day)
-    assert first.name == f"{bench_suite.device_slug(CPU)}-2026-11-21.json"
-    assert bench_suite.device_slug(CPU).startswith("cpu-")
+def test_default_record_path_never_overwrites(tmp_path):
+    when = datetime.datetime(2026, 11, 21, 9, 5)
+    slug = bench_common.device_slug(CPU)
+    assert slug.startswith("cpu-")
+    first = bench_common.default_record_path(CPU, "matrix", now=when, folder=tmp_path)
+    assert first == tmp_path / f"{slug}-2026-11-21T0905-matrix.json"
     first.write_text("{}")
-    assert bench_suite.default_record_path(CPU, day).name.endswith("-2026-11-21-2.json")
+    assert bench_common.default_record_path(CPU, "matrix", now=when, folder=tmp_path).name == \
+        f"{slug}-2026-11-21T0905-matrix-2.json"
+    assert bench_common.default_record_path(CPU, now=when, folder=tmp_path).name == \
+        f"{slug}-2026-11-21T0905.json"
 
 
 def test_default_bench_run_is_unchanged():
