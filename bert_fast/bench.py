@@ -10,6 +10,9 @@ Runs, on the same weights and the same inputs:
 Shared machines are noisy, so the methods are timed interleaved: every round calls each
 method once (the order rotates from round to round), and the median and p90 come from the
 same rounds for all methods. Every method's output is checked against an fp32 eager forward.
+Each run prints a table and writes a record (JSON: environment, command, configuration and
+every latency) to ``--json PATH``, by default benchmarks/results/<device>-<date>T<time>.json
+under the working directory (bench_common.default_record_path), and prints where.
 
 The command line also dispatches to the benchmark matrix, ``--suite gpu``
 (bert_fast/bench_suite.py), and to the host-time benchmark, ``--suite host``
@@ -32,8 +35,8 @@ from . import bench_suite, host_bench
 from .backend import BACKENDS
 from .bench_common import (BASELINE, DTYPES, PRESETS, Progress, build_models, default_device,
                            environment_info, figure_class, first_call, make_inputs, max_error,
-                           plot_from_json, plot_speedup, replace_generated_table, table_from_files,
-                           time_interleaved, write_json)
+                           plot_from_json, plot_speedup, record_path_for, replace_generated_table,
+                           table_from_files, time_interleaved, write_json)
 
 # Default lengths and rounds per preset. A forward of the small presets takes milliseconds, so
 # more rounds are cheap and the first ones still carry start-up effects; base (about 1.5 s a
@@ -46,18 +49,27 @@ RUN_DEFAULTS = {
 }
 
 
+def count_steps(num_methods, num_seqs, warmup, repeats):
+    """The progress steps of run_benchmark. A step is, per sequence length, one method's first
+    call (it compiles and is checked) or one round (every method once): the untimed rounds
+    after the first calls (warmup - 1), then the timed ones. A method skipped on its first call
+    leaves the rounds, so the count is known before the run."""
+    return num_seqs * (num_methods + warmup - 1 + repeats)
+
+
 def run_benchmark(models, *, batch, seqs, min_len_frac, seed, repeats, warmup, device,
                   progress=None):
     """Benchmark every method at every sequence length → list of row dicts (see _row).
 
     ``warmup`` counts the untimed calls per method before timing; the first one (which
     compiles) is also the one whose output is checked against the fp32 reference.
+    ``progress`` (a Progress) is told each of the count_steps steps.
     """
     if warmup < 1 or repeats < 1:
         raise ValueError(f"warmup and repeats must be >= 1, got {warmup} and {repeats}")
     methods = list(models.methods.values())
-    calls_total = len(seqs) * len(methods) * (warmup + repeats)
-    calls_done = 0
+    if progress:
+        progress.total_steps = count_steps(len(methods), len(seqs), warmup, repeats)
     rows = []
     for seq in seqs:
         inputs = make_inputs(batch, seq, min_len_frac, models.config["vocab_size"], seed, device)
@@ -66,12 +78,10 @@ def run_benchmark(models, *, batch, seqs, min_len_frac, seed, repeats, warmup, d
         with torch.inference_mode():
             for method in methods:
                 if progress:
-                    progress.update(f"[{calls_done + 1}/{calls_total}] seq {seq} {method.name}: "
-                                    f"first call ({'compiling, ' if method.may_fail else ''}checking)")
+                    progress.step(f"seq {seq} {method.name}: first call "
+                                  f"({'compiling, ' if method.may_fail else ''}checking)")
                 output, seconds, skip_reason = first_call(method, inputs, device)
-                calls_done += 1
                 if skip_reason is not None:
-                    calls_done += warmup + repeats - 1
                     if progress:
                         progress.note(f"{method.name} skipped at seq {seq}: {skip_reason}")
                     first_calls[method.name] = (None, seconds, skip_reason)
@@ -90,16 +100,14 @@ def run_benchmark(models, *, batch, seqs, min_len_frac, seed, repeats, warmup, d
 
             timed = [m for m in methods if first_calls[m.name][2] is None]
 
-            def on_call(name, round_index, rounds):
-                nonlocal calls_done
-                calls_done += 1
+            def on_round(round_index, rounds):
                 if progress:
-                    what = ("warmup" if round_index < 0
+                    what = (f"untimed round {round_index + warmup}/{warmup - 1}" if round_index < 0
                             else f"round {round_index + 1}/{rounds}")
-                    progress.update(f"[{calls_done}/{calls_total}] seq {seq} {name}: {what}")
+                    progress.step(f"seq {seq}: {what} (each method once)")
 
             seconds = time_interleaved(timed, inputs, device, rounds=repeats,
-                                       untimed_rounds=warmup - 1, on_call=on_call)
+                                       untimed_rounds=warmup - 1, on_round=on_round)
         baseline_median = (float(np.median(seconds[BASELINE])) if BASELINE in seconds else None)
         for method in methods:
             error, first_seconds, skip_reason = first_calls[method.name]
@@ -153,8 +161,8 @@ def format_table(rows):
     timed = [row for row in rows if row["skipped"] is None]
     if timed:
         rounds = len(timed[0]["latencies_ms"])
-        out.append(f"median and p90 over {rounds} interleaved rounds; valid tok/s = sum(valid_lens) "
-                   f"/ median latency (padded tok/s in the JSON)")
+        out.append(f"median and p90 over {rounds} interleaved rounds; valid tok/s = valid tokens "
+                   f"/ median latency")
         for seq in sorted({row["seq"] for row in timed}):
             row = next(r for r in timed if r["seq"] == seq)
             out.append(f"seq {seq}: {row['valid_tokens']} valid of {row['padded_tokens']} tokens "
@@ -187,47 +195,86 @@ def suite_requested(argv):
     return probe.parse_known_args(argv)[0].suite
 
 
-def parse_args(argv=None):
+def _per_preset(key, fmt=str):
+    """The default of a run setting per preset, in words: 'demo 30, small 30, base 10, large 5'."""
+    return ", ".join(f"{preset} {fmt(defaults[key])}" for preset, defaults in RUN_DEFAULTS.items())
+
+
+def _preset_sizes():
+    return ", ".join(f"{name} ({size['num_layers']} layers, H {size['num_hiddens']})"
+                     for name, size in PRESETS.items())
+
+
+def build_parser():
     parser = argparse.ArgumentParser(
         prog="python -m bert_fast.bench",
-        description="Time the reference BERT encoder (eager, torch.compile) against FastBERTEncoder "
-                    "(exact and skip_padding) on the same weights and inputs, in eval mode.")
+        description="Time the reference BERT encoder (eager, and compiled with torch.compile) "
+                    "against FastBERTEncoder (exact and skip_padding, per backend) on the same "
+                    "weights and inputs, in eval mode, on the GPU if there is one, else on the "
+                    "CPU; print a table and write a record of the run (JSON).",
+        epilog="The default run (base, batch 8, L 128) takes about 2 minutes on a 2-core CPU, "
+               "most of it compiling the reference and the eager forwards. Progress goes to "
+               "stderr as numbered steps: each method's first call per length, then each round.")
     parser.add_argument("--preset", choices=PRESETS, default="base",
-                        help="model size (default: base, 12 layers H 768)")
+                        help=f"model size: {_preset_sizes()} (default: base)")
     parser.add_argument("--batch", type=int, default=8, help="batch size (default: 8)")
-    parser.add_argument("--seq", type=int, nargs="+",
-                        help="sequence lengths (default: the preset's, see RUN_DEFAULTS; base: 128)")
-    parser.add_argument("--min-len-frac", type=float, default=0.5,
-                        help="valid_lens are drawn uniformly from [ceil(frac*seq), seq] (default: 0.5)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--seq", type=int, nargs="+", metavar="L",
+                        help="sequence lengths, each timed on its own (default per preset: "
+                             f"{_per_preset('seqs', lambda seqs: ' '.join(map(str, seqs)))})")
+    parser.add_argument("--min-len-frac", type=float, default=0.5, metavar="FRAC",
+                        help="valid lengths are drawn uniformly from [ceil(frac*L), L] (default: 0.5)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="dtype of the weights and activations; errors are measured against "
+                             "an fp32 eager forward either way (default: float32)")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (default: 0)")
-    parser.add_argument("--repeats", type=int,
-                        help="timed rounds, each calls every method once (default: the preset's; "
-                             "base: 10)")
-    parser.add_argument("--warmup", type=int,
-                        help="untimed calls per method before timing; the first one compiles and is "
-                             "checked (default: the preset's; base: 1)")
-    parser.add_argument("--no-compile", action="store_true", help="leave out torch.compile")
+    parser.add_argument("--repeats", type=int, metavar="N",
+                        help="timed rounds per sequence length, each calling every method once "
+                             f"(default per preset: {_per_preset('repeats')})")
+    parser.add_argument("--warmup", type=int, metavar="N",
+                        help="untimed calls per method and sequence length before timing; the "
+                             "first one compiles and is checked against the fp32 reference "
+                             f"(default per preset: {_per_preset('warmup')})")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="leave out torch.compile of the reference (default: timed; compiling "
+                             "base takes about a minute on a 2-core CPU)")
     parser.add_argument("--backends", nargs="+", default=["auto"], choices=BACKENDS,
-                        help="FastBERTEncoder backends to time (default: auto); e.g. --backends auto cuda")
+                        help="FastBERTEncoder backends to time, each as its own methods "
+                             "fast[BACKEND] and fast_skip_padding[BACKEND] (default: auto, the "
+                             "device's best, named fast and fast_skip_padding)")
     parser.add_argument("--device", help="e.g. cpu, cuda, cuda:1 (default: cuda if available, else cpu)")
-    parser.add_argument("--json", metavar="PATH", help="write the results (and environment) here")
-    parser.add_argument("--plot", metavar="PATH", help="PNG of speedup vs eager against seq")
+    record = parser.add_mutually_exclusive_group()
+    record.add_argument("--json", metavar="PATH",
+                        help="write the record (environment, command, configuration, every "
+                             "latency) here (default: benchmarks/results/<device>-<date>T<time>.json "
+                             "under the current directory, e.g. "
+                             "benchmarks/results/cpu-2core-2026-11-23T0912.json; the folder is "
+                             "made if missing, and -2, -3 ... are appended rather than overwrite "
+                             "a record)")
+    record.add_argument("--no-record", action="store_true",
+                        help="write no record (default: write one, see --json)")
+    parser.add_argument("--plot", metavar="PATH",
+                        help="also draw speedup vs eager against sequence length into this PNG "
+                             "(needs matplotlib)")
     parser.add_argument("--plot-from", metavar="JSON", nargs="+",
-                        help="only plot these saved --json results (or --suite records) into --plot "
-                             "PATH (no benchmark)")
+                        help="only plot these records (of this benchmark or of --suite gpu) into "
+                             "--plot PATH (no benchmark)")
     parser.add_argument("--suite", choices=["gpu", "host"],
-                        help="run another benchmark instead, with its own options: gpu, the benchmark matrix "
-                             "(presets x dtypes x shapes x every peer; bert_fast/bench_suite.py, see --suite gpu "
-                             "--help); host, the host time of a forward at negligible arithmetic "
-                             "(bert_fast/host_bench.py, see --suite host --help)")
+                        help="run another benchmark instead, with its own options: gpu, the "
+                             "benchmark matrix (presets x dtypes x shapes x every peer; see "
+                             "--suite gpu --help); host, the host time of a forward at negligible "
+                             "arithmetic (see --suite host --help)")
     parser.add_argument("--table-from", metavar="JSON", nargs="+",
-                        help="only print these records (--json or --suite) as markdown tables (no "
-                             "benchmark)")
+                        help="only print these records (of this benchmark or of --suite) as "
+                             "markdown tables (no benchmark)")
     parser.add_argument("--readme", metavar="PATH",
                         help="with --table-from: write the tables into this file, into the block "
                              "of generated tables whose begin marker names these records (or its "
                              "only block, if that marker names RECORD ...), instead of printing them")
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.readme and not args.table_from:
         parser.error("--readme needs --table-from RECORD ...")
@@ -284,6 +331,7 @@ def main(argv=None):
         print(f"wrote {args.plot}")
         return
     device = torch.device(args.device) if args.device else default_device()
+    record_path = None if args.no_record else record_path_for(args.json, device)
     dtype = DTYPES[args.dtype]
     models = build_models(args.preset, dtype, device, seed=args.seed,
                           include_compile=not args.no_compile, backends=args.backends)
@@ -301,9 +349,9 @@ def main(argv=None):
                          min_len_frac=args.min_len_frac, dtype=args.dtype, seed=args.seed,
                          repeats=args.repeats, warmup=args.warmup, device=device,
                          argv=None if argv is None else ["bert_fast.bench.main", *argv])
-    if args.json:
-        write_json(record, args.json)
-        print(f"wrote {args.json}")
+    if record_path is not None:
+        write_json(record, record_path)
+        print(f"wrote {record_path}")
     if args.plot:
         plot_speedup([record], args.plot)
         print(f"wrote {args.plot}")

@@ -1,0 +1,130 @@
+"""The command line of python -m bert_fast.bench: the main job writes a record and says where,
+its progress counter counts every step, and every option's help is complete and names no
+internals (the same for --suite gpu and --suite host)."""
+
+import argparse
+import re
+
+import pytest
+import torch
+
+from bert_fast import bench, bench_common, bench_suite, host_bench
+from bert_fast.bench_common import BenchModels, Method
+
+STEP = re.compile(r"^\[(\d+)/(\d+)\] ", re.MULTILINE)
+# A tiny main-job run on the CPU: two lengths, two untimed and two timed calls per method.
+TINY_RUN = ["--device", "cpu", "--preset", "small", "--batch", "2", "--seq", "8", "16",
+            "--warmup", "2", "--repeats", "2", "--no-compile"]
+SHORT_RUN = ["--device", "cpu", "--preset", "small", "--batch", "2", "--seq", "8",
+             "--warmup", "1", "--repeats", "1", "--no-compile"]
+
+
+def steps_shown(stderr):
+    """The [k/N] counters of the progress lines, as (k, N) pairs in order."""
+    return [(int(done), int(total)) for done, total in STEP.findall(stderr)]
+
+
+def assert_counts_one_to_n(steps, expected_total):
+    assert [done for done, _ in steps] == list(range(1, expected_total + 1)), steps
+    assert {total for _, total in steps} == {expected_total}, steps
+
+
+def test_main_job_counts_every_step_and_writes_its_record(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    bench.main(TINY_RUN)
+    out, err = capsys.readouterr()
+    # eager, fast, fast_skip_padding: per length 3 first calls, 1 untimed and 2 timed rounds.
+    assert_counts_one_to_n(steps_shown(err), bench.count_steps(3, 2, warmup=2, repeats=2))
+    assert len(steps_shown(err)) == 2 * (3 + 1 + 2)
+    [written] = re.findall(r"^wrote (.+)$", out, re.MULTILINE)
+    path = tmp_path / written
+    assert path.parent == tmp_path / "benchmarks" / "results"
+    assert re.fullmatch(rf"{bench_common.device_slug(torch.device('cpu'))}"
+                        r"-\d{4}-\d\d-\d\dT\d{4}\.json", path.name), path.name
+    record = bench_common.load_json(path)
+    assert bench_common.is_main_record(record)
+    assert [row["seq"] for row in record["rows"]] == [8, 8, 8, 16, 16, 16]
+    assert "JSON" not in out      # the footer names nothing the run did not write
+
+
+def test_a_second_run_does_not_overwrite_the_first(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "benchmarks" / "results"
+    folder.mkdir(parents=True)
+    taken = bench_common.default_record_path(torch.device("cpu"))
+    taken.write_text("{}")
+    bench.main(SHORT_RUN)
+    [written] = re.findall(r"^wrote (.+)$", capsys.readouterr().out, re.MULTILINE)
+    assert taken.read_text() == "{}"
+    # The same minute: the name gets -2 (a minute later: a new time).
+    assert written != str(taken) and written.startswith("benchmarks/results/")
+
+
+def test_json_and_no_record(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    bench.main(SHORT_RUN + ["--json", "sub/run.json"])
+    assert "wrote sub/run.json" in capsys.readouterr().out
+    assert bench_common.is_main_record(bench_common.load_json(tmp_path / "sub" / "run.json"))
+    bench.main(SHORT_RUN + ["--no-record"])
+    assert "wrote" not in capsys.readouterr().out
+    assert not (tmp_path / "benchmarks").exists()
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--json", "x.json", "--no-record"])
+
+
+def test_a_method_skipped_on_its_first_call_keeps_the_count(capsys):
+    """A compile failure skips the method, not its steps: the rounds still run, so the
+    counter still ends at the count announced before the run."""
+    models = bench_common.build_models("small", torch.float32, torch.device("cpu"),
+                                       include_compile=False)
+
+    def fails_to_compile(*inputs):
+        raise RuntimeError("no compiler here")
+
+    methods = dict(models.methods, compile=Method("compile", fails_to_compile, may_fail=True))
+    rows = bench.run_benchmark(BenchModels(methods, models.reference, models.config), batch=2,
+                               seqs=[8], min_len_frac=0.5, seed=0, repeats=2, warmup=3,
+                               device=torch.device("cpu"), progress=bench_common.Progress())
+    err = capsys.readouterr().err
+    assert_counts_one_to_n(steps_shown(err), bench.count_steps(4, 1, warmup=3, repeats=2))
+    assert "compile skipped at seq 8: RuntimeError: no compiler here" in err
+    assert [row["skipped"] is None for row in rows] == [True, True, True, False]
+
+
+# Options whose absence means "not this": no default to state.
+NO_DEFAULT = {"--plot", "--plot-from", "--table-from", "--readme", "--suite", "--quick"}
+PARSERS = {"main job": (bench.build_parser, ["--help"]),
+           "--suite gpu": (bench_suite.build_parser, ["--suite", "gpu", "--help"]),
+           "--suite host": (host_bench.build_parser, ["--suite", "host", "--help"])}
+
+
+def internal_names():
+    """Module-level names a user has no reason to know: ALL_CAPS constants and names with an
+    underscore (functions, modules), of the benchmark modules."""
+    names = set()
+    for module in (bench, bench_common, bench_suite, host_bench):
+        names |= {name for name in vars(module) if not name.startswith("__")
+                  and (name.isupper() or "_" in name)}
+    return names
+
+
+@pytest.mark.parametrize("which", list(PARSERS))
+def test_help_is_complete_and_names_no_internals(which, capsys):
+    build_parser, argv = PARSERS[which]
+    with pytest.raises(SystemExit) as exit_code:
+        bench.main(argv)
+    assert exit_code.value.code == 0
+    text = capsys.readouterr().out
+    for action in build_parser()._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        option = action.option_strings[0]
+        assert action.help and action.help.strip(), f"{which}: {option} has no help"
+        assert option in text
+        flag = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+        if not flag and option not in NO_DEFAULT:
+            assert "default" in action.help, f"{which}: {option}'s help states no default"
+    words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text))
+    assert not words & internal_names(), f"{which}: --help names {words & internal_names()}"
+    assert not re.findall(r"\b[A-Z][A-Z0-9]*_[A-Z0-9_]+\b", text), which    # e.g. a metavar
+    assert "{'" not in text and "['" not in text, f"{which}: a Python repr in --help"
