@@ -2,9 +2,11 @@
 
 Prints versions, the device, each backend's availability (and why not), and the ops of the
 compiled extension with the device types they were built for. Loads the extension if it is
-built; never builds it.
+built; never builds it. ``--require-extension`` exits with status 1 unless the extension built
+by the install (setup.py) loaded: what scripts/install.sh and CI check after installing.
 """
 
+import argparse
 import platform
 import sys
 
@@ -37,6 +39,9 @@ def report():
     if extension.load():
         kinds = "CPU and CUDA" if extension.has_cuda_kernels() else "CPU only (built without CUDA)"
         lines.append(f"  cuda    available: extension ops for {kinds}, from {extension.loaded_from()}")
+        built = sys.modules.get("bert_fast._C")
+        if built is not None:
+            lines.append(f"            file: {built.__file__}")
         for op in extension.OPS:
             keys = [key for key in ("CPU", "CUDA") if extension._has_kernel(op, key)]
             lines.append(f"            torch.ops.bert_fast.{op}: {', '.join(keys)}")
@@ -48,5 +53,31 @@ def report():
     return lines
 
 
-if __name__ == "__main__":
+def installed_extension_problem():
+    """None if the extension built by the install (setup.py, as bert_fast._C) is loaded, else
+    what is wrong: not built, or another build (a JIT build) loaded instead."""
+    if not extension.load():
+        return f"the compiled extension is not available: {extension.load_error()}"
+    if not extension.loaded_from().startswith("bert_fast._C"):
+        return f"the extension was loaded from {extension.loaded_from()}, not from the install's bert_fast._C"
+    return None
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m bert_fast.info", description="What this installation of bert_fast can run: versions, device, backends and the compiled extension's ops.")
+    parser.add_argument("--require-extension", action="store_true",
+                        help="exit with status 1 unless the compiled extension built by the install loaded")
+    args = parser.parse_args(argv)
     print("\n".join(report()))
+    if args.require_extension:
+        problem = installed_extension_problem()
+        if problem:
+            print(f"error: {problem}. The install did not build it: rerun "
+                  "`pip install --no-build-isolation -e .` and read its output (a C++17 compiler is needed; "
+                  "BERT_FAST_SKIP_EXTENSION=1 installs without it on purpose).", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Install bert_fast for development into the current Python environment: PyTorch first
-# (kept if already installed; the CPU build on a machine without an NVIDIA GPU, so pip does
-# not pull several GB of CUDA packages), then this package with its test, plot and peers
-# (transformers, a benchmark peer) extras,
-# compiling its extension (C++ CPU ops; CUDA ops too where CUDA is present; see setup.py).
+# Install bert_fast for development into the current Python environment, with whatever pip it
+# has: PyTorch first (kept if already installed; the CPU build on a machine without an NVIDIA
+# GPU, so pip does not pull several GB of CUDA packages), then this package with its test, plot
+# and peers (transformers, a benchmark peer) extras, compiling its extension (C++ CPU ops; CUDA
+# ops too where CUDA is present; see setup.py). Fails unless the extension was built and loads
+# (BERT_FAST_SKIP_EXTENSION=1: install without it, on purpose).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
@@ -18,8 +19,14 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
         "$PYTHON" -m pip install torch --index-url https://download.pytorch.org/whl/cpu
     fi
 fi
-# The compiled extension (csrc/) builds against the PyTorch installed above, so no build
-# isolation; setuptools and ninja (parallel C++/CUDA compiles) must be here first.
-"$PYTHON" -m pip install setuptools wheel ninja
+# The extension builds against the PyTorch installed above, so without build isolation (see
+# pyproject.toml): the build backend (setuptools >= 64, for editable installs with any pip) and
+# ninja (parallel C++/CUDA compiles) must be here first. ">=": an installed setuptools that is
+# new enough is kept (torch pins an upper bound on it).
+"$PYTHON" -m pip install "setuptools>=64" wheel ninja
 "$PYTHON" -m pip install --no-build-isolation -e ".[test,plot,peers]"
-"$PYTHON" -m bert_fast.info
+if [ "${BERT_FAST_SKIP_EXTENSION:-0}" = "1" ]; then
+    "$PYTHON" -m bert_fast.info
+else
+    "$PYTHON" -m bert_fast.info --require-extension
+fi

@@ -1,0 +1,43 @@
+"""``python -m bert_fast.info``: its report, and --require-extension, which install.sh and CI use
+to fail when the install did not build the extension."""
+
+import subprocess
+import sys
+
+import pytest
+
+from bert_fast import extension, info
+
+
+def test_report_names_every_backend():
+    text = "\n".join(info.report())
+    for name in ("torch ", "triton ", "cuda ", "auto "):
+        assert f"  {name}" in text
+
+
+@pytest.mark.parametrize("state, problem", [
+    ({"loaded_from": None, "error": "bert_fast._C could not be imported (No module named 'bert_fast._C')"},
+     "not available: bert_fast._C could not be imported"),
+    ({"loaded_from": "JIT build (bert_fast_ext)", "error": None}, "loaded from JIT build"),
+])
+def test_require_extension_fails_without_the_installed_build(monkeypatch, capsys, state, problem):
+    monkeypatch.setattr(extension, "load", lambda: state["loaded_from"] is not None)
+    for key, value in state.items():
+        monkeypatch.setitem(extension._state, key, value)
+    assert info.main(["--require-extension"]) == 1
+    assert problem in capsys.readouterr().err
+    assert info.main([]) == 0      # without the flag: a report, whatever is missing
+
+
+def test_require_extension_passes_with_the_installed_build(monkeypatch):
+    monkeypatch.setattr(extension, "load", lambda: True)
+    monkeypatch.setitem(extension._state, "loaded_from", "bert_fast._C (built by setup.py)")
+    assert info.installed_extension_problem() is None
+
+
+def test_module_entry_point_exit_status():
+    # The exit status is what install.sh's `set -e` sees.
+    result = subprocess.run([sys.executable, "-m", "bert_fast.info", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0 and "--require-extension" in result.stdout
+    result = subprocess.run([sys.executable, "-m", "bert_fast.info", "--no-such-flag"], capture_output=True, text=True)
+    assert result.returncode == 2
