@@ -13,6 +13,7 @@ import bert_fast
 from bert_fast.ops._triton import tl, triton
 from tests.helpers import (assert_close, assert_within_rule, DEVICE, max_err, needs_kernels,
                            seed_tensor)
+from tests.isolated import ExtOpsInChild
 
 # The op modules, not the functions of the same name that bert_fast.ops exports.
 embedding_mod = importlib.import_module("bert_fast.ops.embedding")
@@ -26,6 +27,15 @@ DTYPE_IDS = ["fp32", "bf16"]
 def ops():
     bert_fast.build_extension()
     return torch.ops.bert_fast
+
+
+@pytest.fixture(scope="module")
+def ops_in_child(ops):
+    """The same ops, each call run in a child process (tests/isolated.py). The tests of bad
+    input call these: a failed check that kills the process (an extension linked with its own
+    libstdc++ did) fails that test alone and names the input. After ``ops``: this process
+    builds the extension, the child then only loads it."""
+    return ExtOpsInChild()
 
 
 def with_threads(n, fn):
@@ -167,7 +177,7 @@ def test_embedding_sum_empty_batch(ops):
 
 
 @pytest.mark.parametrize("bad", ["token", "negative_token", "segment", "position"])
-def test_embedding_sum_ids_out_of_range(ops, bad):
+def test_embedding_sum_ids_out_of_range(ops_in_child, bad):
     tokens, segments, positions, n_tokens, max_len = index_case("packed")
     tokens, segments, positions = tokens.clone(), segments.clone(), positions.clone()
     target, value, message = {
@@ -179,10 +189,10 @@ def test_embedding_sum_ids_out_of_range(ops, bad):
     target[17] = value
     tables = make_tables(n_tokens, max_len, 8, torch.float32)
     with pytest.raises(IndexError, match=message):
-        ops.ext_embedding_sum_fwd(tokens, segments, *tables, positions)
+        ops_in_child.ext_embedding_sum_fwd(tokens, segments, *tables, positions)
     with pytest.raises(IndexError, match=message):
-        ops.ext_embedding_sum_bwd(torch.randn(len(tokens), 8), tokens, segments, positions, n_tokens, 2, max_len,
-                                  True)
+        ops_in_child.ext_embedding_sum_bwd(torch.randn(len(tokens), 8), tokens, segments, positions, n_tokens, 2,
+                                           max_len, True)
 
 
 _ids, _tables = torch.randint(0, 3, (2, 5)), make_tables(7, 10, 8, torch.float32)
@@ -203,12 +213,12 @@ EMBEDDING_FWD_CASES = [
 
 
 @pytest.mark.parametrize("args,message", EMBEDDING_FWD_CASES, ids=[c[1] for c in EMBEDDING_FWD_CASES])
-def test_embedding_sum_fwd_validation_matches_twin(ops, args, message):
+def test_embedding_sum_fwd_validation_matches_twin(ops_in_child, args, message):
     """The same error type as the twin's checks, with a message that says what was wrong."""
     with pytest.raises(Exception) as twin_error:
         embedding_mod._embedding_sum_fwd_cpu(*args)
     with pytest.raises(twin_error.type, match=message):
-        ops.ext_embedding_sum_fwd(*args)
+        ops_in_child.ext_embedding_sum_fwd(*args)
 
 
 _grad = torch.randn(2, 5, 8)
@@ -222,11 +232,11 @@ EMBEDDING_BWD_CASES = [
 
 
 @pytest.mark.parametrize("args,message", EMBEDDING_BWD_CASES, ids=[c[1] for c in EMBEDDING_BWD_CASES])
-def test_embedding_sum_bwd_validation_matches_twin(ops, args, message):
+def test_embedding_sum_bwd_validation_matches_twin(ops_in_child, args, message):
     with pytest.raises(Exception) as twin_error:
         embedding_mod._embedding_sum_bwd_cpu(*args, True, True)
     with pytest.raises(twin_error.type, match=message):
-        ops.ext_embedding_sum_bwd(*args, True)
+        ops_in_child.ext_embedding_sum_bwd(*args, True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -418,21 +428,22 @@ LN_FWD_CASES = [
 
 
 @pytest.mark.parametrize("args,error,message", LN_FWD_CASES, ids=[c[2] for c in LN_FWD_CASES])
-def test_add_layernorm_fwd_validation(ops, args, error, message):
+def test_add_layernorm_fwd_validation(ops_in_child, args, error, message):
     with pytest.raises(error, match=message):
-        ops.ext_add_layernorm_fwd(*args)
+        ops_in_child.ext_add_layernorm_fwd(*args)
 
 
-def test_add_layernorm_bwd_validation(ops):
+def test_add_layernorm_bwd_validation(ops_in_child):
     x, w, stats = torch.randn(4, 96), torch.randn(96), torch.zeros(4)
+    bwd = ops_in_child.ext_add_layernorm_bwd
     with pytest.raises(ValueError, match="grad_out must match x"):
-        ops.ext_add_layernorm_bwd(x.bfloat16(), x, x, w, stats, stats, None, 0.0, True)
+        bwd(x.bfloat16(), x, x, w, stats, stats, None, 0.0, True)
     with pytest.raises(ValueError, match=r"mean must be the forward's Float \(4,\) tensor"):
-        ops.ext_add_layernorm_bwd(x, x, x, w, stats.double(), stats, None, 0.0, True)
+        bwd(x, x, x, w, stats.double(), stats, None, 0.0, True)
     with pytest.raises(ValueError, match=r"rstd must be the forward's Float \(4,\) tensor"):
-        ops.ext_add_layernorm_bwd(x, x, x, w, stats, torch.zeros(3), None, 0.0, True)
+        bwd(x, x, x, w, stats, torch.zeros(3), None, 0.0, True)
     with pytest.raises(ValueError, match="needs a seed"):
-        ops.ext_add_layernorm_bwd(x, x, x, w, stats, stats, None, 0.5, True)
+        bwd(x, x, x, w, stats, stats, None, 0.5, True)
 
 
 # ---------------------------------------------------------------------------------------------
