@@ -18,6 +18,7 @@ from bert_fast.ops.add_layernorm import (_add_layernorm_bwd_cpu, _add_layernorm_
 from bert_fast.ops.embedding import (_embedding_sum_bwd_cpu, _embedding_sum_fwd_cpu, embedding_sum_bwd,
                                      embedding_sum_fwd)
 from tests.helpers import BF16_OK, FLOOR, assert_close, assert_within_rule, max_err, needs_cuda
+from tests.isolated import ExtOpsInChild
 
 pytestmark = needs_cuda
 
@@ -36,6 +37,15 @@ def ops():
     bert_fast.build_extension()
     assert has_cuda_kernels(), "the extension was built without its CUDA ops (is nvcc / CUDA_HOME found?)"
     return torch.ops.bert_fast
+
+
+@pytest.fixture(scope="module")
+def ops_in_child(ops):
+    """The same ops, each call run in a child process (tests/isolated.py). The input-check tests
+    call these: a failed check that kills the process (an extension linked with its own
+    libstdc++ did; a device-side assert ruins its CUDA context) fails that test alone and names
+    the input. After ``ops``: this process builds the extension, the child then only loads it."""
+    return ExtOpsInChild()
 
 
 def to_cpu(*tensors):
@@ -201,9 +211,9 @@ def test_embedding_empty_batch(ops):
     assert pos_grad.shape == (1, 512, 96)
 
 
-def test_embedding_input_checks(ops):
+def test_embedding_input_checks(ops_in_child):
     tokens, segments, token_weight, segment_weight, pos_weight, positions = embedding_inputs(8, 96, torch.float32, True)
-    fwd = ops.ext_embedding_sum_fwd
+    fwd = ops_in_child.ext_embedding_sum_fwd
     with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
         fwd(tokens, segments, token_weight.double(), segment_weight.double(), pos_weight.double(), positions)
     with pytest.raises(TypeError, match="one dtype"):
@@ -217,7 +227,8 @@ def test_embedding_input_checks(ops):
     with pytest.raises(ValueError, match="max_len"):
         fwd(tokens.view(1, 8), segments.view(1, 8), token_weight, segment_weight, pos_weight[:, :4], None)
     with pytest.raises(ValueError, match="n_tokens"):
-        ops.ext_embedding_sum_bwd(torch.randn(8, 96, device="cuda"), tokens, segments, positions, 0, 2, 512, False)
+        ops_in_child.ext_embedding_sum_bwd(torch.randn(8, 96, device="cuda"), tokens, segments, positions, 0, 2, 512,
+                                           False)
 
 
 # ------------------------------------------------------------------------------------------
@@ -394,9 +405,9 @@ def test_add_layernorm_empty_rows(ops):
     assert torch.equal(d_weight, torch.zeros(96, device="cuda")) and torch.equal(d_bias, d_weight)
 
 
-def test_add_layernorm_input_checks(ops):
+def test_add_layernorm_input_checks(ops, ops_in_child):
     x, residual, weight, bias, grad_out = layernorm_inputs(4, 96, torch.float32)
-    fwd = ops.ext_add_layernorm_fwd
+    fwd = ops_in_child.ext_add_layernorm_fwd
     with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
         fwd(x.double(), residual.double(), None, None, 1e-5, None, 0.0)
     with pytest.raises(TypeError, match="dtype of x"):
@@ -416,11 +427,12 @@ def test_add_layernorm_input_checks(ops):
         fwd(x, residual, weight, bias, 1e-5, torch.tensor([1]), 0.1)
     with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\]"):
         fwd(x, residual, weight, bias, 1e-5, torch.tensor([1], device="cuda"), 1.5)
-    _, mean, rstd = fwd(x, residual, weight, bias, 1e-5, None, 0.0)
+    _, mean, rstd = ops.ext_add_layernorm_fwd(x, residual, weight, bias, 1e-5, None, 0.0)    # good input: here
+    bwd = ops_in_child.ext_add_layernorm_bwd
     with pytest.raises(ValueError, match="float32"):
-        ops.ext_add_layernorm_bwd(grad_out, x, residual, weight, mean.double(), rstd, None, 0.0, True)
+        bwd(grad_out, x, residual, weight, mean.double(), rstd, None, 0.0, True)
     with pytest.raises(ValueError, match="grad_out must match x"):
-        ops.ext_add_layernorm_bwd(grad_out.half(), x, residual, weight, mean, rstd, None, 0.0, True)
+        bwd(grad_out.half(), x, residual, weight, mean, rstd, None, 0.0, True)
 
 
 def test_opcheck(ops):
