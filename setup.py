@@ -46,6 +46,11 @@ def extension_build():
     common = dict(name="bert_fast._C", include_dirs=[os.path.abspath("csrc")])
     # at::parallel_for is serial unless the extension itself is compiled with OpenMP.
     openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
+    # Link the shared C++ runtime even where the toolchain asks for a static one
+    # (LDFLAGS=-static-libstdc++): a private libstdc++ inside _C beside torch's shared one puts two
+    # C++ runtimes in one process, and TORCH_CHECK messages thrown from _C come out truncated
+    # ('tokens id ') or crash (issue 11). Same flags as bert_fast/extension.py's SHARED_CXX_RUNTIME.
+    shared_cxx_runtime = ["-Wl,-Bdynamic", "-lstdc++"] if sys.platform.startswith("linux") else []
     if with_cuda:
         archs = os.environ.get("BERT_FAST_CUDA_ARCHS")
         if archs:
@@ -56,13 +61,13 @@ def extension_build():
               f"{os.environ.get('TORCH_CUDA_ARCH_LIST', 'of the visible GPUs')})")
         extension = CUDAExtension(sources=cpu_sources + cuda_sources,
                                   extra_compile_args={"cxx": ["-O3", *openmp], "nvcc": ["-O3"]},
-                                  extra_link_args=openmp, **common)
+                                  extra_link_args=openmp + shared_cxx_runtime, **common)
     else:
         why = ("BERT_FAST_SKIP_CUDA_BUILD is set" if _flag("BERT_FAST_SKIP_CUDA_BUILD")
                else "PyTorch is a CPU build" if torch.version.cuda is None else "no CUDA toolkit (nvcc) found")
         print(f"bert_fast: building the C++ CPU ops only ({why})")
         extension = CppExtension(sources=cpu_sources, extra_compile_args={"cxx": ["-O3", *openmp]},
-                                 extra_link_args=openmp, **common)
+                                 extra_link_args=openmp + shared_cxx_runtime, **common)
     return [extension], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 

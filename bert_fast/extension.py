@@ -27,6 +27,12 @@ OPS = ("ext_embedding_sum_fwd", "ext_embedding_sum_bwd", "ext_add_layernorm_fwd"
 # parallel backend is chosen by _OPENMP in the headers); at run time it shares torch's libgomp.
 OPENMP_FLAGS = ["-fopenmp"] if sys.platform.startswith("linux") else []
 
+# Link the shared C++ runtime even where the toolchain asks for a static one (-static-libstdc++):
+# a private libstdc++ inside the extension beside torch's shared one puts two C++ runtimes in one
+# process, and TORCH_CHECK messages thrown from it come out truncated ('tokens id ') or crash
+# (issue 11). setup.py links with the same flags (shared_cxx_runtime).
+SHARED_CXX_RUNTIME = ["-Wl,-Bdynamic", "-lstdc++"] if sys.platform.startswith("linux") else []
+
 _lock = threading.Lock()
 _state = {"loaded_from": None, "error": None, "cuda_kernels": False}
 
@@ -129,7 +135,7 @@ def build_extension(verbose=True, with_cuda=None):
         try:
             cpp_extension.load(
                 name=JIT_NAME + ("_cuda" if with_cuda else ""), sources=sources(with_cuda),
-                extra_cflags=["-O3", *OPENMP_FLAGS], extra_ldflags=OPENMP_FLAGS,
+                extra_cflags=["-O3", *OPENMP_FLAGS], extra_ldflags=OPENMP_FLAGS + SHARED_CXX_RUNTIME,
                 extra_cuda_cflags=["-O3"] if with_cuda else None,
                 extra_include_paths=[str(CSRC)], with_cuda=with_cuda, is_python_module=False, verbose=verbose)
         except Exception as e:
