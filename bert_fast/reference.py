@@ -1,6 +1,6 @@
 """Eager reference: the BERT encoder of "Dive into Deep Learning", re-implemented.
 
-This module follows ``../shared/REFERENCE.md`` call for call (same constructor signatures,
+This module follows ``docs/REFERENCE.md`` call for call (same constructor signatures,
 same state_dict keys, same outputs). It is deliberately plain PyTorch: every fast path in
 bert_fast is tested against it, so it must stay obviously correct rather than fast.
 """

@@ -1,4 +1,4 @@
-"""The reference itself follows ../shared/REFERENCE.md (these pin the contract down)."""
+"""The reference itself follows docs/REFERENCE.md (these pin the contract down)."""
 
 import math
 
