@@ -183,6 +183,7 @@ class ChildRunner:
 
     def call(self, fn, *args, **kwargs):
         """fn(*args, **kwargs) in the child: its result, or its exception raised here."""
+        __tracebackhide__ = True     # pytest: a failure shows the test's line and the message
         request = pickle.dumps((fn, args, kwargs))     # an unpicklable fn fails here, as itself
         if self._process is None or not self._process.is_alive():
             self._start()
@@ -276,6 +277,7 @@ atexit.register(shared_runner.close)
 
 def call_in_child(fn, *args, **kwargs):
     """fn(*args, **kwargs) in the session's shared child (see the module's docstring)."""
+    __tracebackhide__ = True
     return shared_runner.call(fn, *args, **kwargs)
 
 
