@@ -40,7 +40,8 @@ from .bench_common import (BASELINE, DTYPES, PRESETS, Progress, build_models, de
 
 # Default lengths and rounds per preset. A forward of the small presets takes milliseconds, so
 # more rounds are cheap and the first ones still carry start-up effects; base (about 1.5 s a
-# forward on a 2-core CPU, plus about 50 s to compile) keeps the default run near 2 minutes.
+# forward on an idle 2-core CPU, 5 s a round of the 4 methods, plus 10-30 s to compile) keeps
+# the default run near 2 minutes.
 RUN_DEFAULTS = {
     "demo": dict(seqs=[32, 128], repeats=30, warmup=3),
     "small": dict(seqs=[64, 128], repeats=30, warmup=3),
@@ -212,9 +213,10 @@ def build_parser():
                     "against FastBERTEncoder (exact and skip_padding, per backend) on the same "
                     "weights and inputs, in eval mode, on the GPU if there is one, else on the "
                     "CPU; print a table and write a record of the run (JSON).",
-        epilog="The default run (base, batch 8, L 128) takes about 2 minutes on a 2-core CPU, "
-               "most of it compiling the reference and the eager forwards. Progress goes to "
-               "stderr as numbered steps: each method's first call per length, then each round.")
+        epilog="The default run (base, batch 8, L 128) takes about 2 minutes on an idle 2-core "
+               "CPU, more on a busy one: mostly its 10 timed rounds (4 forwards each), then "
+               "compiling the reference. Progress goes to stderr as numbered steps: per length, "
+               "each method's first call, then each round.")
     parser.add_argument("--preset", choices=PRESETS, default="base",
                         help=f"model size: {_preset_sizes()} (default: base)")
     parser.add_argument("--batch", type=int, default=8, help="batch size (default: 8)")
@@ -236,7 +238,7 @@ def build_parser():
                              f"(default per preset: {_per_preset('warmup')})")
     parser.add_argument("--no-compile", action="store_true",
                         help="leave out torch.compile of the reference (default: timed; compiling "
-                             "base takes about a minute on a 2-core CPU)")
+                             "base takes 10-30 s on a 2-core CPU)")
     parser.add_argument("--backends", nargs="+", default=["auto"], choices=BACKENDS,
                         help="FastBERTEncoder backends to time, each as its own methods "
                              "fast[BACKEND] and fast_skip_padding[BACKEND] (default: auto, the "
@@ -246,7 +248,7 @@ def build_parser():
     record.add_argument("--json", metavar="PATH",
                         help="write the record (environment, command, configuration, every "
                              "latency) here (default: benchmarks/results/<device>-<date>T<time>.json "
-                             "under the current directory, e.g. "
+                             "under the current directory, named when the run starts, e.g. "
                              "benchmarks/results/cpu-2core-2026-11-23T0912.json; the folder is "
                              "made if missing, and -2, -3 ... are appended rather than overwrite "
                              "a record)")
