@@ -110,10 +110,14 @@ def build_extension(verbose=True, with_cuda=None):
     with_cuda: build the CUDA ops too; by default when PyTorch is a CUDA build and the CUDA
     toolkit (nvcc) is found. The build is cached by torch.utils.cpp_extension (under
     TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), so later calls only load it.
-    Returns where the ops came from.
+    Returns where the ops came from. With ``BERT_FAST_NO_JIT=1`` (CI) it never compiles: no
+    built copy is an error, so tests cannot pass on a JIT build while the install's is missing.
     """
     if load():
         return loaded_from()
+    if os.environ.get("BERT_FAST_NO_JIT", "0") == "1":
+        raise RuntimeError(f"no built bert_fast extension loads ({load_error()}), and BERT_FAST_NO_JIT=1 "
+                           "forbids compiling one now: install with `pip install --no-build-isolation -e .`")
     from torch.utils import cpp_extension
 
     if not CSRC.is_dir():
@@ -121,7 +125,10 @@ def build_extension(verbose=True, with_cuda=None):
                            "Install bert_fast from a source checkout with "
                            "`pip install --no-build-isolation -e .`, which compiles it.")
     if with_cuda is None:
-        with_cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+        # As setup.py: a CUDA_HOME without CUDA's headers (nvcc linked from elsewhere) cannot build them.
+        home = cpp_extension.CUDA_HOME
+        with_cuda = (torch.version.cuda is not None and home is not None
+                     and os.path.isfile(os.path.join(home, "include", "cuda_runtime.h")))
     with _lock:
         if _state["loaded_from"] is not None:
             return loaded_from()

@@ -41,3 +41,10 @@ def test_module_entry_point_exit_status():
     assert result.returncode == 0 and "--require-extension" in result.stdout
     result = subprocess.run([sys.executable, "-m", "bert_fast.info", "--no-such-flag"], capture_output=True, text=True)
     assert result.returncode == 2
+
+
+def test_no_jit_forbids_compiling_when_no_build_loads(monkeypatch):
+    monkeypatch.setattr(extension, "load", lambda: False)
+    monkeypatch.setenv("BERT_FAST_NO_JIT", "1")
+    with pytest.raises(RuntimeError, match="BERT_FAST_NO_JIT=1 forbids compiling one"):
+        extension.build_extension(verbose=False)
