@@ -87,8 +87,22 @@ def uses_triton(backend):
 
 
 def launch(kernel):
-    """``kernel[grid](...)`` in a form torch.compile can trace (torch.library.wrap_triton)."""
+    """``kernel[grid](...)`` in a form torch.compile can trace (torch.library.wrap_triton).
+
+    Under TRITON_INTERPRET=1 ``@triton.jit`` makes an InterpretedFunction, which launches as it
+    is and which wrap_triton of torch < 2.13 rejects (2.13 returns it unchanged): returned as is.
+    """
+    if HAS_TRITON and _interpreted(kernel):
+        return kernel
     return torch.library.wrap_triton(kernel)
+
+
+def _interpreted(kernel):
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:       # pragma: no cover - a Triton without an interpreter
+        return False
+    return isinstance(kernel, InterpretedFunction)
 
 
 def as_dtype(t, dtype):
