@@ -42,7 +42,10 @@ def extension_build():
         return [], {}
     cpu_sources = ["csrc/registration.cpp", *sorted(glob.glob("csrc/*_cpu.cpp"))]
     cuda_sources = [*sorted(glob.glob("csrc/*.cu")), "csrc/cuda_ops.cpp"]
-    with_cuda = torch.version.cuda is not None and CUDA_HOME is not None and not _flag("BERT_FAST_SKIP_CUDA_BUILD")
+    # torch locates the toolkit from nvcc on PATH; a link to nvcc outside the toolkit gives a root
+    # without CUDA's headers, and every CUDA compile would fail on cuda_runtime.h.
+    toolkit_ok = CUDA_HOME is not None and os.path.isfile(os.path.join(CUDA_HOME, "include", "cuda_runtime.h"))
+    with_cuda = torch.version.cuda is not None and toolkit_ok and not _flag("BERT_FAST_SKIP_CUDA_BUILD")
     common = dict(name="bert_fast._C", include_dirs=[os.path.abspath("csrc")])
     # at::parallel_for is serial unless the extension itself is compiled with OpenMP.
     openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
@@ -64,7 +67,10 @@ def extension_build():
                                   extra_link_args=openmp + shared_cxx_runtime, **common)
     else:
         why = ("BERT_FAST_SKIP_CUDA_BUILD is set" if _flag("BERT_FAST_SKIP_CUDA_BUILD")
-               else "PyTorch is a CPU build" if torch.version.cuda is None else "no CUDA toolkit (nvcc) found")
+               else "PyTorch is a CPU build" if torch.version.cuda is None
+               else "no CUDA toolkit (nvcc) found" if CUDA_HOME is None
+               else f"the CUDA toolkit found at {CUDA_HOME} has no include/cuda_runtime.h; set CUDA_HOME "
+                    "to the toolkit's root, e.g. /usr/local/cuda")
         print(f"bert_fast: building the C++ CPU ops only ({why})")
         extension = CppExtension(sources=cpu_sources, extra_compile_args={"cxx": ["-O3", *openmp]},
                                  extra_link_args=openmp + shared_cxx_runtime, **common)
@@ -84,9 +90,12 @@ setup(
     cmdclass=cmdclass,
     python_requires=">=3.10",
     install_requires=[
-        "torch>=2.6",  # torch.library.triton_op
+        # The supported range, tested by CI at both ends we can install: torch 2.11 + triton 3.6
+        # (the GPU machine's pair) and the newest pair CI installs (.ci/run). No upper bound:
+        # pip replacing the torch an extension was just compiled against would break it.
+        "torch>=2.11",
         "numpy",
-        "triton; platform_system == 'Linux'",
+        "triton>=3.6; platform_system == 'Linux'",
     ],
     extras_require={
         "test": ["pytest", "pytest-benchmark", "ninja"],
