@@ -14,14 +14,8 @@ started=$SECONDS
 copy=$(mktemp -d "${TMPDIR:-/tmp}/bert_fast-hostile-toolchain.XXXXXX")
 trap 'rm -rf "$copy"' EXIT
 
-# Source files only, so nothing built in the checkout (build/, bert_fast/_C*.so) leaks in:
-# tracked files, and new ones git does not ignore, of what the build and these tests need.
-cd "$repo"
-git ls-files -z --cached --others --exclude-standard -- \
-        bert_fast csrc tests setup.py conftest.py pytest.ini README.md pyproject.toml |
-    while IFS= read -r -d '' file; do
-        if [ -f "$file" ]; then cp --parents -- "$file" "$copy"; fi   # skip files deleted here
-    done
+# Source files only (nothing built in the checkout leaks in), of what the build and these tests need.
+"$repo/scripts/copy_checkout.sh" "$copy" bert_fast csrc tests setup.py conftest.py pytest.ini README.md pyproject.toml
 
 cd "$copy"
 echo "ci_hostile_toolchain: building the extension in $copy with LDFLAGS=-static-libstdc++"
