@@ -38,7 +38,7 @@ for step in "$@"; do
     install)
         # --no-deps: the device machine has no registry access (torch, triton, ninja are there).
         run install env MAX_JOBS=$(nproc) pip install --no-build-isolation --no-deps -e .
-        run info python -m bert_fast.info ;;
+        run info python -m bert_fast.info --require-extension ;;
     tests)
         # Every test, the GPU-only ones included; the slowest listed to plan the next session.
         run tests python -m pytest -q -p no:cacheprovider --durations=20 tests ;;
