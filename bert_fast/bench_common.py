@@ -3,7 +3,7 @@ its ``--suite gpu`` (bench_suite.py, the GPU matrix), and any other benchmark it
 dispatches to. They import from here, and bench.py imports the benchmarks it dispatches to:
 no benchmark imports another.
 
-  sizes and dtypes     PRESETS (../shared/REFERENCE.md's sizes), DTYPES, BASELINE ("eager")
+  sizes and dtypes     PRESETS (docs/REFERENCE.md's sizes), DTYPES, BASELINE ("eager")
   models and inputs    encoder_config, build_models (eager, compile and FastBERTEncoder on the
                        same weights), fast_encoder_sharing, make_inputs, max_error
   timing               first_call, time_interleaved (rounds with a rotating order), synchronize,
@@ -38,7 +38,7 @@ from .backend import backend_for
 from .modules import FastBERTEncoder
 from .reference import BERTEncoder
 
-# Sizes from ../shared/REFERENCE.md ("Sizes people use").
+# Sizes from docs/REFERENCE.md ("Sizes people use").
 PRESETS = {
     "demo": dict(vocab_size=10000, num_hiddens=768, ffn_num_hiddens=1024, num_heads=4,
                  num_layers=2, max_len=1000),
