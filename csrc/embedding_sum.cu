@@ -28,7 +28,8 @@
 //
 // Ids out of range [0, n) are never dereferenced: in the forward that table contributes zeros
 // to the row, in the backward the row adds nothing to that table. The module checks ranges
-// before calling (a device-side check would need a host sync to report).
+// before calling (a device-side check would need a host sync to report, and a device-side
+// assert leaves the CUDA context unusable). The Triton kernels guard the same way.
 #include "cuda_utils.cuh"
 #include "kernels.h"
 

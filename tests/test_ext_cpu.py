@@ -176,7 +176,8 @@ def test_embedding_sum_empty_batch(ops):
     assert torch.equal(token_grad, torch.zeros(7, 96)) and torch.equal(pos_grad, torch.zeros(1, 10, 96))
 
 
-@pytest.mark.parametrize("bad", ["token", "negative_token", "segment", "position"])
+@pytest.mark.parametrize("bad", ["token", "negative_token", "segment", "negative_segment", "position",
+                                 "negative_position"])
 def test_embedding_sum_ids_out_of_range(ops_in_child, bad):
     tokens, segments, positions, n_tokens, max_len = index_case("packed")
     tokens, segments, positions = tokens.clone(), segments.clone(), positions.clone()
@@ -184,7 +185,9 @@ def test_embedding_sum_ids_out_of_range(ops_in_child, bad):
         "token": (tokens, n_tokens, rf"tokens id {n_tokens} .* ids must be in \[0, {n_tokens}\)"),
         "negative_token": (tokens, -1, rf"tokens id -1 .* ids must be in \[0, {n_tokens}\)"),
         "segment": (segments, 2, r"segments id 2 .* ids must be in \[0, 2\)"),
+        "negative_segment": (segments, -1, r"segments id -1 .* ids must be in \[0, 2\)"),
         "position": (positions, max_len, rf"positions id {max_len} .* ids must be in \[0, {max_len}\)"),
+        "negative_position": (positions, -1, rf"positions id -1 .* ids must be in \[0, {max_len}\)"),
     }[bad]
     target[17] = value
     tables = make_tables(n_tokens, max_len, 8, torch.float32)

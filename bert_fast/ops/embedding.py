@@ -5,7 +5,9 @@ Padded form: ``tokens``/``segments`` are (B, L) and position j of every row read
 valid tokens and ``positions`` (N,) says which row of the position table each one reads.
 Tables: ``token_weight`` (V, H), ``segment_weight`` (S, H) (S = 2 in BERT), ``pos_weight``
 (1, max_len, H), one dtype; ids int32 or int64. The output is (..., H) in the tables' dtype,
-summed in fp32. Ids are not range-checked here (the module does it once per batch).
+summed in fp32. The module range-checks ids once per batch (check_inputs); below it, an id
+outside its table is never read as an index counted from the end nor dereferenced (see
+embedding_sum's docstring for what each backend does with one).
 
 Cost model (R = B*L or N rows, e = bytes per element, i = bytes per id; memory-bound,
 3 adds per element):
@@ -64,15 +66,50 @@ from ._triton import (KERNEL_DTYPES, as_dtype, compute_dtype, cpu_kernel, launch
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+def _id_values_readable(*ids):
+    """Whether the ids' values can be read here without a device sync or a traced graph:
+    eager CPU tensors (FakeTensor, FunctionalTensor and other subclasses under torch.compile
+    are skipped; the compiled graph's own index checks apply there)."""
+    if torch.compiler.is_compiling():
+        return False
+    return all(t is None or (type(t) is torch.Tensor and t.is_cpu) for t in ids)
+
+
+def _check_id_range(name, ids, n_rows):
+    """IndexError naming the first id of ``ids`` outside [0, n_rows) (CPU ids)."""
+    if ids.numel() == 0:
+        return
+    flat = ids.reshape(-1)
+    low, high = torch.aminmax(flat)
+    if low < 0 or high >= n_rows:
+        at = int(((flat < 0) | (flat >= n_rows)).nonzero()[0])
+        raise IndexError(f"{name} id {int(flat[at])} at flat index {at} is out of range: the table "
+                         f"has {n_rows} rows, so ids must be in [0, {n_rows})")
+
+
+def _check_id_ranges(tokens, segments, positions, n_tokens, n_segments, max_len):
+    """The CPU paths' range check (the C++ CPU op's message): ids are on the host, so a bad id
+    is reported, never wrapped (a negative id is not a row counted from the end)."""
+    if not _id_values_readable(tokens, segments, positions):
+        return
+    _check_id_range("tokens", tokens, n_tokens)
+    _check_id_range("segments", segments, n_segments)
+    if positions is not None:
+        _check_id_range("positions", positions, max_len)
+
+
 def _embedding_sum_torch(tokens, segments, token_weight, segment_weight, pos_weight, positions,
                          learn_pos_embedding):
+    _check_id_ranges(tokens, segments, positions, token_weight.shape[0], segment_weight.shape[0],
+                     pos_weight.shape[1])
     # The reference reads the position table through .data, so by default no gradient
     # reaches it; learn_pos_embedding=True is the explicit opt-in.
     pos_table = pos_weight[0] if learn_pos_embedding else pos_weight.detach()[0]
     if positions is None:
         pos = pos_table[: tokens.shape[-1]]
     else:
-        pos = pos_table.index_select(0, positions)
+        # F.embedding, not index_select: compiled, index_select wraps a negative id (Inductor).
+        pos = F.embedding(positions, pos_table)
     # Accumulate in place: the embedding lookups' backward does not need their outputs,
     # so this saves two full-size temporaries without touching autograd.
     out = F.embedding(tokens, token_weight)
@@ -84,7 +121,7 @@ def _embedding_sum_torch(tokens, segments, token_weight, segment_weight, pos_wei
 @triton.jit
 def _embedding_sum_fwd_kernel(out_ptr, token_ids_ptr, segment_ids_ptr, position_ids_ptr,
                               token_weight_ptr, segment_weight_ptr, pos_weight_ptr,
-                              n_rows, seq_len, hidden,
+                              n_rows, seq_len, hidden, n_tokens, n_segments, max_len,
                               token_row_stride, token_col_stride, segment_row_stride,
                               segment_col_stride, pos_row_stride, pos_col_stride,
                               HAS_POSITIONS: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -99,12 +136,23 @@ def _embedding_sum_fwd_kernel(out_ptr, token_ids_ptr, segment_ids_ptr, position_
         position_ids = tl.load(position_ids_ptr + rows, mask=row_in, other=0).to(tl.int64)
     else:
         position_ids = (rows % seq_len).to(tl.int64)
+    # Ids out of [0, rows of the table) are never dereferenced: that table adds zeros to the
+    # row (masked load, and the address itself is made row 0's so no pointer leaves the table).
+    token_in = (token_ids >= 0) & (token_ids < n_tokens)
+    segment_in = (segment_ids >= 0) & (segment_ids < n_segments)
+    position_in = (position_ids >= 0) & (position_ids < max_len)
+    token_ids = tl.where(token_in, token_ids, 0)
+    segment_ids = tl.where(segment_in, segment_ids, 0)
+    position_ids = tl.where(position_in, position_ids, 0)
     acc = tl.load(token_weight_ptr + token_ids[:, None] * token_row_stride
-                  + cols[None, :] * token_col_stride, mask=mask, other=0.0).to(tl.float32)
+                  + cols[None, :] * token_col_stride, mask=mask & token_in[:, None],
+                  other=0.0).to(tl.float32)
     acc += tl.load(segment_weight_ptr + segment_ids[:, None] * segment_row_stride
-                   + cols[None, :] * segment_col_stride, mask=mask, other=0.0).to(tl.float32)
+                   + cols[None, :] * segment_col_stride, mask=mask & segment_in[:, None],
+                   other=0.0).to(tl.float32)
     acc += tl.load(pos_weight_ptr + position_ids[:, None] * pos_row_stride
-                   + cols[None, :] * pos_col_stride, mask=mask, other=0.0).to(tl.float32)
+                   + cols[None, :] * pos_col_stride, mask=mask & position_in[:, None],
+                   other=0.0).to(tl.float32)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -112,10 +160,11 @@ def _embedding_sum_fwd_kernel(out_ptr, token_ids_ptr, segment_ids_ptr, position_
 @triton.jit
 def _embedding_sum_bwd_kernel(grad_ptr, token_ids_ptr, segment_ids_ptr, position_ids_ptr,
                               token_grad_ptr, segment_grad_ptr, pos_grad_ptr,
-                              n_rows, hidden, n_segments, grad_row_stride, grad_col_stride,
-                              SCATTER_POSITIONS: tl.constexpr, BLOCK_T: tl.constexpr,
+                              n_rows, hidden, n_tokens, n_segments, max_len, grad_row_stride,
+                              grad_col_stride, SCATTER_POSITIONS: tl.constexpr, BLOCK_T: tl.constexpr,
                               BLOCK_H: tl.constexpr):
-    """Atomic scatter-add of grad rows into fp32 (rows, H) table buffers."""
+    """Atomic scatter-add of grad rows into fp32 (rows, H) table buffers. A row whose id is out
+    of [0, rows of that table) adds nothing to that table (no atomic leaves the buffer)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     row_in = rows < n_rows
@@ -124,16 +173,19 @@ def _embedding_sum_bwd_kernel(grad_ptr, token_ids_ptr, segment_ids_ptr, position
     grad = tl.load(grad_ptr + rows.to(tl.int64)[:, None] * grad_row_stride
                    + cols[None, :] * grad_col_stride, mask=mask, other=0.0).to(tl.float32)
     token_ids = tl.load(token_ids_ptr + rows, mask=row_in, other=0).to(tl.int64)
-    tl.atomic_add(token_grad_ptr + token_ids[:, None] * hidden + cols[None, :], grad, mask=mask,
-                  sem="relaxed")
+    token_in = (token_ids >= 0) & (token_ids < n_tokens)
+    tl.atomic_add(token_grad_ptr + tl.where(token_in, token_ids, 0)[:, None] * hidden + cols[None, :],
+                  grad, mask=mask & token_in[:, None], sem="relaxed")
+    # Only ids 0 .. n_segments - 1 match a segment below: others add nothing.
     segment_ids = tl.load(segment_ids_ptr + rows, mask=row_in, other=-1)
     for segment in range(n_segments):
         piece = tl.sum(tl.where((segment_ids == segment)[:, None], grad, 0.0), axis=0)
         tl.atomic_add(segment_grad_ptr + segment * hidden + cols, piece, mask=col_in, sem="relaxed")
     if SCATTER_POSITIONS:
         position_ids = tl.load(position_ids_ptr + rows, mask=row_in, other=0).to(tl.int64)
-        tl.atomic_add(pos_grad_ptr + position_ids[:, None] * hidden + cols[None, :], grad,
-                      mask=mask, sem="relaxed")
+        position_in = (position_ids >= 0) & (position_ids < max_len)
+        tl.atomic_add(pos_grad_ptr + tl.where(position_in, position_ids, 0)[:, None] * hidden
+                      + cols[None, :], grad, mask=mask & position_in[:, None], sem="relaxed")
 
 
 @triton.jit
@@ -155,7 +207,7 @@ def _embedding_sum_bwd_pos_kernel(grad_ptr, pos_grad_ptr, batch, seq_len, hidden
 
 @triton.jit
 def _embedding_sum_bwd_chunk_kernel(grad_ptr, sorted_ids_ptr, order_ptr, table_grad_ptr,
-                                    heads_ptr, tails_ptr, n_rows, hidden,
+                                    heads_ptr, tails_ptr, n_rows, hidden, n_table_rows,
                                     grad_row_stride, grad_col_stride,
                                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     """Deterministic pass 1 over one chunk of BLOCK_T sorted rows (see the module docstring)."""
@@ -166,7 +218,8 @@ def _embedding_sum_bwd_chunk_kernel(grad_ptr, sorted_ids_ptr, order_ptr, table_g
     slot_in = slots < n_rows
     col_in = cols < hidden
     mask = slot_in[:, None] & col_in[None, :]
-    # Ids are >= 0, so -1 stands for "no row there".
+    # The launcher made every id >= 0 (out-of-range ids became n_table_rows, a run that is
+    # summed but never stored), so -1 stands for "no row there".
     ids = tl.load(sorted_ids_ptr + slots, mask=slot_in, other=-1)
     next_ids = tl.load(sorted_ids_ptr + slots + 1, mask=slots + 1 < n_rows, other=-1)
     id_before = tl.load(sorted_ids_ptr + chunk_start - 1, mask=chunk > 0, other=-1)
@@ -184,8 +237,10 @@ def _embedding_sum_bwd_chunk_kernel(grad_ptr, sorted_ids_ptr, order_ptr, table_g
                          | (slots == chunk_start + BLOCK_T - 1))[:, None])
     started_here = (ids != id_before)[:, None]
     goes_on = (ids == id_after)[:, None]
-    tl.store(table_grad_ptr + ids.to(tl.int64)[:, None] * hidden + cols[None, :],
-             sums.to(table_grad_ptr.dtype.element_ty), mask=piece_end & started_here & ~goes_on)
+    id_in = (ids >= 0) & (ids < n_table_rows)
+    tl.store(table_grad_ptr + tl.where(id_in, ids, 0).to(tl.int64)[:, None] * hidden + cols[None, :],
+             sums.to(table_grad_ptr.dtype.element_ty),
+             mask=piece_end & started_here & ~goes_on & id_in[:, None])
     carry_offsets = tl.broadcast_to(chunk * hidden + cols[None, :], [BLOCK_T, BLOCK_H])
     tl.store(heads_ptr + carry_offsets, sums, mask=piece_end & ~started_here)
     tl.store(tails_ptr + carry_offsets, sums, mask=piece_end & started_here & goes_on)
@@ -193,7 +248,7 @@ def _embedding_sum_bwd_chunk_kernel(grad_ptr, sorted_ids_ptr, order_ptr, table_g
 
 @triton.jit
 def _embedding_sum_bwd_carry_kernel(sorted_ids_ptr, run_ends_ptr, heads_ptr, tails_ptr,
-                                    table_grad_ptr, hidden, BLOCK_T: tl.constexpr,
+                                    table_grad_ptr, hidden, n_table_rows, BLOCK_T: tl.constexpr,
                                     BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr):
     """Deterministic pass 2: the runs that cross a chunk boundary, one owner each."""
     chunk = tl.program_id(0)
@@ -203,7 +258,8 @@ def _embedding_sum_bwd_carry_kernel(sorted_ids_ptr, run_ends_ptr, heads_ptr, tai
     run_id = tl.load(sorted_ids_ptr + chunk_end - 1)
     run_end = tl.load(run_ends_ptr + chunk)
     id_before_chunk = tl.load(sorted_ids_ptr + chunk * BLOCK_T - 1, mask=chunk > 0, other=-1)
-    if (run_end > chunk_end) & (id_before_chunk != run_id):
+    # The run of out-of-range ids (all mapped to n_table_rows) is never stored.
+    if (run_end > chunk_end) & (id_before_chunk != run_id) & (run_id < n_table_rows):
         acc = tl.load(tails_ptr + chunk * hidden + cols, mask=col_in, other=0.0)
         last_chunk = (run_end - 1) // BLOCK_T
         for first in range(chunk + 1, last_chunk + 1, BLOCK_C):
@@ -318,6 +374,7 @@ def _embedding_sum_fwd_triton(tokens, segments, token_weight, segment_weight, po
             out, _flat_ids(tokens), _flat_ids(segments),
             _flat_ids(positions) if positions is not None else None,
             token_weight, segment_weight, pos_weight, n_rows, tokens.shape[-1], hidden,
+            token_weight.shape[0], segment_weight.shape[0], pos_weight.shape[1],
             token_weight.stride(0), token_weight.stride(1), segment_weight.stride(0),
             segment_weight.stride(1), pos_weight.stride(1), pos_weight.stride(2),
             HAS_POSITIONS=positions is not None, BLOCK_T=block_t, BLOCK_H=block_h,
@@ -346,6 +403,9 @@ def _sorted_row_sum(grad_rows, ids, n_table_rows, out_dtype):
     table_grad = torch.zeros((n_table_rows, hidden), dtype=out_dtype, device=grad_rows.device)
     if n_rows == 0:
         return table_grad
+    # Ids out of [0, n_table_rows) become n_table_rows: one run, sorted last, that the kernels
+    # never store (no sync to find them; an elementwise pass over R ids beside the sort).
+    ids = torch.where((ids >= 0) & (ids < n_table_rows), ids, n_table_rows)
     # Stable: equal ids keep their row order, so each run is summed in the same order every call.
     sorted_ids, order = torch.sort(ids, stable=True)
     n_chunks = triton.cdiv(n_rows, block_t)
@@ -354,7 +414,7 @@ def _sorted_row_sum(grad_rows, ids, n_table_rows, out_dtype):
     tails = torch.empty_like(heads)
     h_blocks = triton.cdiv(hidden, block_h)
     launch(_embedding_sum_bwd_chunk_kernel)[(n_chunks, h_blocks)](
-        grad_rows, sorted_ids, order, table_grad, heads, tails, n_rows, hidden,
+        grad_rows, sorted_ids, order, table_grad, heads, tails, n_rows, hidden, n_table_rows,
         grad_rows.stride(0), grad_rows.stride(1), BLOCK_T=block_t, BLOCK_H=block_h,
         num_warps=num_warps)
     if n_chunks > 1:
@@ -362,7 +422,7 @@ def _sorted_row_sum(grad_rows, ids, n_table_rows, out_dtype):
         run_ends = torch.searchsorted(sorted_ids, sorted_ids[block_t - 1::block_t].contiguous(),
                                       right=True)
         launch(_embedding_sum_bwd_carry_kernel)[(n_chunks - 1, h_blocks)](
-            sorted_ids, run_ends, heads, tails, table_grad, hidden,
+            sorted_ids, run_ends, heads, tails, table_grad, hidden, n_table_rows,
             BLOCK_T=block_t, BLOCK_C=CARRY_BLOCK, BLOCK_H=block_h, num_warps=num_warps)
     return table_grad
 
@@ -398,7 +458,7 @@ def _embedding_sum_bwd_triton(grad_out, tokens, segments, positions, n_tokens, n
         if n_rows:
             launch(_embedding_sum_bwd_kernel)[(triton.cdiv(n_rows, block_t), h_blocks)](
                 grad_rows, token_ids, segment_ids, position_ids, token_acc, segment_acc, pos_acc,
-                n_rows, hidden, n_segments, grad_rows.stride(0), grad_rows.stride(1),
+                n_rows, hidden, n_tokens, n_segments, max_len, grad_rows.stride(0), grad_rows.stride(1),
                 SCATTER_POSITIONS=scatter_positions, BLOCK_T=block_t, BLOCK_H=block_h,
                 num_warps=num_warps)
         token_grad, segment_grad = token_acc.to(dtype), segment_acc.to(dtype)
@@ -423,6 +483,8 @@ def _embedding_sum_fwd_cpu(tokens, segments, token_weight, segment_weight, pos_w
     """The CPU kernel: three lookups summed in fp32 (fp64 tables: fp64). F.embedding, not
     indexing: a negative id is an error, never a row counted from the end."""
     _check_fwd_inputs(tokens, segments, token_weight, segment_weight, pos_weight, positions)
+    _check_id_ranges(tokens, segments, positions, token_weight.shape[0], segment_weight.shape[0],
+                     pos_weight.shape[1])
     dtype = token_weight.dtype
     acc = compute_dtype(dtype)
     pos = pos_weight[0, : tokens.shape[-1]] if positions is None else F.embedding(positions, pos_weight[0])
@@ -436,6 +498,7 @@ def _embedding_sum_bwd_cpu(grad_out, tokens, segments, positions, n_tokens, n_se
                            learn_pos_embedding, deterministic):
     # index_add_ on the CPU is deterministic, so `deterministic` changes nothing here.
     _check_bwd_inputs(grad_out, tokens, segments, positions, n_tokens, n_segments, max_len)
+    _check_id_ranges(tokens, segments, positions, n_tokens, n_segments, max_len)
     dtype, hidden = grad_out.dtype, grad_out.shape[-1]
     acc = compute_dtype(dtype)
     grad_rows = as_dtype(grad_out.reshape(-1, hidden), acc)
@@ -603,6 +666,25 @@ def embedding_sum(tokens, segments, token_weight, segment_weight, pos_weight, *,
     ``deterministic``: it follows torch.use_deterministic_algorithms.) Eager calls go straight
     to the launchers (through _EmbeddingSum when autograd records); under torch.compile the
     registered ops.
+
+    Ids outside their table (< 0 or >= its rows; reachable with check_inputs=False or under
+    torch.compile, where the module's value checks do not run): no backend wraps a negative id
+    or reads or writes outside a table.
+      - On the CPU (every backend: F.embedding for torch, the PyTorch CPU kernels for triton,
+        the C++ op for cuda), forward and backward raise IndexError naming the ids, the first
+        bad id, its flat index and the range [0, rows). The ids are on the host, so this costs
+        no sync. Compiled, the graph's own index checks raise instead (Inductor's
+        "index out of bounds" RuntimeError).
+      - The Triton kernels (CUDA) guard: an out-of-range id's table adds zeros to that row in
+        the forward (a masked load, from a clamped address), and that row adds nothing to that
+        table's gradient in the backward (masked atomics; the deterministic reduction maps such
+        ids to one past the table and never stores that run). The interpreter runs the same
+        code, so CPU tests see the GPU's result.
+      - The extension's CUDA kernels guard the same way (zeros forward, nothing scattered).
+      - torch on CUDA: F.embedding's device-side assert (PyTorch's behaviour).
+    The GPU kernels guard rather than raise: reporting needs the ids on the host (a sync per
+    call), and a device-side assert leaves the CUDA context unusable for the rest of the
+    process. A row with an out-of-range id is wrong, but nothing else is touched.
     """
     if not uses_triton(backend):
         return _embedding_sum_torch(tokens, segments, token_weight, segment_weight, pos_weight,

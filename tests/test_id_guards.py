@@ -1,0 +1,215 @@
+"""embedding_sum with ids outside their tables (check_inputs=False, torch.compile): no backend
+reads outside a table or wraps a negative id.
+
+- CPU paths (the torch backend on CPU tensors, the triton backend's CPU kernels, the cuda
+  backend's C++ CPU op), forward and backward: IndexError naming the tensor, the id and the
+  allowed range.
+- The Triton kernels (run here in the interpreter through kernels_on_cpu(), as on a GPU): an
+  out-of-range id is never dereferenced; that table adds zeros to the row in the forward, and
+  the row adds nothing to that table in the backward (atomic and deterministic).
+- Compiled (Inductor, CPU): the graph's own index checks raise; never the wrapped row.
+
+Calls that could read or write out of bounds run in a child process (tests/isolated.py), so a
+crash fails one test instead of the run. Tables sit inside NaN-filled buffers: a read one row
+before or after a table gives NaN in the output.
+"""
+
+import pytest
+import torch
+
+from bert_fast.backend import available_backends
+from bert_fast.ops import embedding as emb
+from bert_fast.ops._triton import kernels_on_cpu
+from tests.helpers import needs_kernels
+from tests.isolated import call_in_child
+
+N_TOKENS, N_SEGMENTS, MAX_LEN, HIDDEN = 6, 2, 8, 16
+BACKENDS = [b for b in available_backends() if b != "auto"]
+TABLE_ROWS = {"tokens": N_TOKENS, "segments": N_SEGMENTS, "positions": MAX_LEN}
+# (form, which ids, the bad value's name): padded ids read position j at column j, so only the
+# packed form has position ids to get wrong.
+CASES = [(form, kind, value) for form in ("padded", "packed") for kind in TABLE_ROWS
+         for value in ("negative", "too_large") if not (form == "padded" and kind == "positions")]
+CASE_IDS = [f"{form}-{kind}-{value}" for form, kind, value in CASES]
+BAD_ROW = 3           # the flat index of the bad id
+
+
+def bad_value(kind, value):
+    return -1 if value == "negative" else TABLE_ROWS[kind]
+
+
+def guarded_tables(dtype=torch.float32):
+    """The three tables, each a view into a buffer with a NaN row on either side."""
+    def inside(rows, lead=()):
+        buf = torch.full((*lead, rows + 2, HIDDEN), float("nan"), dtype=dtype)
+        table = buf[..., 1:rows + 1, :]
+        table.copy_(torch.randn(*lead, rows, HIDDEN).to(dtype))
+        return table
+    torch.manual_seed(0)
+    return inside(N_TOKENS), inside(N_SEGMENTS), inside(MAX_LEN, (1,))
+
+
+def ids_with_bad(form, kind, value):
+    """(tokens, segments, positions) with one id of ``kind`` set out of range at BAD_ROW."""
+    g = torch.Generator().manual_seed(1)
+    if form == "padded":
+        shape, positions = (2, 5), None
+    else:
+        shape = (10,)
+        positions = torch.randint(0, MAX_LEN, shape, generator=g)
+    ids = {"tokens": torch.randint(0, N_TOKENS, shape, generator=g),
+           "segments": torch.randint(0, N_SEGMENTS, shape, generator=g), "positions": positions}
+    ids[kind].view(-1)[BAD_ROW] = bad_value(kind, value)
+    return ids["tokens"], ids["segments"], ids["positions"]
+
+
+def message(kind, value):
+    n = TABLE_ROWS[kind]
+    return rf"{kind} id {bad_value(kind, value)} at flat index {BAD_ROW} .* ids must be in \[0, {n}\)"
+
+
+def position_ids(tokens, positions):
+    return positions if positions is not None else torch.arange(tokens.shape[-1]).expand_as(tokens)
+
+
+def guarded_reference(tokens, segments, positions, tables, grad_out):
+    """The documented guarded result, in fp64: an out-of-range id's table adds zeros to the row
+    (forward) and gets nothing from it (backward)."""
+    out = torch.zeros(*tokens.shape, HIDDEN, dtype=torch.float64)
+    grads = []
+    g = grad_out.double().reshape(-1, HIDDEN)
+    for ids, table in zip((tokens, segments, position_ids(tokens, positions)),
+                          (tables[0], tables[1], tables[2][0])):
+        rows = table.shape[0]
+        ok = (ids >= 0) & (ids < rows)
+        safe = torch.where(ok, ids, 0)
+        out += torch.where(ok[..., None], table.double()[safe], 0.0)
+        flat_ok, flat = ok.reshape(-1), safe.reshape(-1)
+        grads.append(torch.zeros(rows, HIDDEN, dtype=torch.float64).index_add_(0, flat[flat_ok], g[flat_ok]))
+    return out, grads
+
+
+def wrapped_row(tokens, segments, positions, tables):
+    """What row BAD_ROW would be if a negative id counted from the end of its table."""
+    token_table, segment_table, pos_table = tables[0], tables[1], tables[2][0]
+    pos = position_ids(tokens, positions).reshape(-1)[BAD_ROW]
+    return (token_table[tokens.reshape(-1)[BAD_ROW]] + segment_table[segments.reshape(-1)[BAD_ROW]]
+            + pos_table[pos]).double()
+
+
+# ---------------------------------------------------------------------------------------------
+# Child-process entry points (module level: call_in_child pickles them by reference).
+
+def embedding_forward(backend, tokens, segments, positions, tables, kernels):
+    """embedding_sum's forward (Triton launchers on CPU tensors when ``kernels``)."""
+    if kernels:
+        with kernels_on_cpu():
+            return emb.embedding_sum(tokens, segments, *tables, positions=positions, backend=backend,
+                                     learn_pos_embedding=True)
+    return emb.embedding_sum(tokens, segments, *tables, positions=positions, backend=backend,
+                             learn_pos_embedding=True)
+
+
+def embedding_forward_backward(backend, tokens, segments, positions, tables, grad_out, kernels, deterministic):
+    """(out, [token_grad, segment_grad, pos_grad]) through embedding_sum's autograd."""
+    leaves = [t.detach().clone().requires_grad_() for t in tables]
+    if kernels:
+        with kernels_on_cpu():
+            out = emb.embedding_sum(tokens, segments, *leaves, positions=positions, backend=backend,
+                                    learn_pos_embedding=True, deterministic=deterministic)
+            out.backward(grad_out)
+    else:
+        out = emb.embedding_sum(tokens, segments, *leaves, positions=positions, backend=backend,
+                                learn_pos_embedding=True, deterministic=deterministic)
+        out.backward(grad_out)
+    return out.detach(), [leaf.grad for leaf in leaves]
+
+
+def backward_op(backend, grad_out, tokens, segments, positions, deterministic):
+    """The backward op alone (the CPU kernel: triton's registered op, or the extension's)."""
+    rows = (N_TOKENS, N_SEGMENTS, MAX_LEN)
+    if backend == "cuda":
+        return torch.ops.bert_fast.ext_embedding_sum_bwd(grad_out, tokens, segments, positions, *rows, True)
+    return emb.embedding_sum_bwd(grad_out, tokens, segments, positions, *rows, True, deterministic)
+
+
+def triton_backward(grad_out, tokens, segments, positions, deterministic):
+    """The Triton backward launcher (interpreter), as a GPU calls it."""
+    return emb._embedding_sum_bwd_triton(grad_out, tokens, segments, positions, N_TOKENS, N_SEGMENTS, MAX_LEN,
+                                         True, deterministic)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU paths: a clear IndexError, forward and backward.
+
+@pytest.mark.parametrize("form,kind,value", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cpu_paths_raise_a_clear_error(backend, form, kind, value):
+    tokens, segments, positions = ids_with_bad(form, kind, value)
+    tables = guarded_tables()
+    with pytest.raises(IndexError, match=message(kind, value)):
+        call_in_child(embedding_forward, backend, tokens, segments, positions, tables, False)
+    if backend == "torch":
+        return        # its backward is F.embedding's, reached only through the forward above
+    grad_out = torch.randn(*tokens.shape, HIDDEN)
+    for deterministic in (False, True):
+        with pytest.raises(IndexError, match=message(kind, value)):
+            call_in_child(backward_op, backend, grad_out, tokens, segments, positions, deterministic)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Triton kernels (interpreter): guarded, never the wrapped row, nothing out of bounds.
+
+@needs_kernels
+@pytest.mark.parametrize("form,kind,value", CASES, ids=CASE_IDS)
+def test_triton_forward_is_guarded(form, kind, value):
+    tokens, segments, positions = ids_with_bad(form, kind, value)
+    tables = guarded_tables()
+    out = call_in_child(embedding_forward, "triton", tokens, segments, positions, tables, True)
+    assert not out.isnan().any(), "the kernel read a row outside a table"
+    expected, _ = guarded_reference(tokens, segments, positions, tables, torch.zeros(*tokens.shape, HIDDEN))
+    torch.testing.assert_close(out.double(), expected, atol=1e-6, rtol=0)
+    if value == "negative":
+        got = out.reshape(-1, HIDDEN)[BAD_ROW].double()
+        assert not torch.allclose(got, wrapped_row(tokens, segments, positions, tables)), "a wrapped index"
+
+
+@needs_kernels
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("form,kind,value", CASES, ids=CASE_IDS)
+def test_triton_backward_is_guarded(form, kind, value, deterministic):
+    tokens, segments, positions = ids_with_bad(form, kind, value)
+    tables = guarded_tables()
+    grad_out = torch.randn(*tokens.shape, HIDDEN, generator=torch.Generator().manual_seed(2))
+    _, expected = guarded_reference(tokens, segments, positions, tables, grad_out)
+    grads = call_in_child(triton_backward, grad_out, tokens, segments, positions, deterministic)
+    for name, got, want in zip(("token", "segment", "position"), grads, expected):
+        torch.testing.assert_close(got.reshape(want.shape).double(), want, atol=1e-5, rtol=0,
+                                   msg=lambda m, name=name: f"{name} gradient: {m}")
+    # And through embedding_sum's autograd (the eager path a GPU takes).
+    out, leaf_grads = call_in_child(embedding_forward_backward, "triton", tokens, segments, positions, tables,
+                                    grad_out, True, deterministic)
+    assert not out.isnan().any()
+    for got, want in zip(leaf_grads, expected):
+        torch.testing.assert_close(got.reshape(want.shape).double(), want, atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile (CPU): the compiled graph raises; it never returns the wrapped row.
+
+def _compiled_embedding_sum(tokens, segments, token_weight, segment_weight, pos_weight, positions, backend):
+    return emb.embedding_sum(tokens, segments, token_weight, segment_weight, pos_weight, positions=positions,
+                             backend=backend, learn_pos_embedding=True)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("torch", "triton")])
+def test_compiled_raises_never_wraps(backend):
+    compiled = torch.compile(_compiled_embedding_sum, fullgraph=True, dynamic=False)
+    tables = guarded_tables()
+    tokens, segments, positions = ids_with_bad("packed", "tokens", "negative")
+    assert not compiled(tokens.clamp(min=0), segments, *tables, positions, backend).isnan().any()
+    for kind in TABLE_ROWS:
+        for value in ("negative", "too_large"):
+            tokens, segments, positions = ids_with_bad("packed", kind, value)
+            with pytest.raises((RuntimeError, IndexError), match="out of (bounds|range)"):
+                compiled(tokens, segments, *tables, positions, backend)
