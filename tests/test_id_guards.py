@@ -19,8 +19,8 @@ import torch
 
 from bert_fast.backend import available_backends
 from bert_fast.ops import embedding as emb
-from bert_fast.ops._triton import kernels_on_cpu
-from tests.helpers import needs_kernels
+from bert_fast.ops._triton import interpreting, kernels_on_cpu
+from tests.helpers import needs_cuda
 from tests.isolated import call_in_child
 
 N_TOKENS, N_SEGMENTS, MAX_LEN, HIDDEN = 6, 2, 8, 16
@@ -32,6 +32,9 @@ CASES = [(form, kind, value) for form in ("padded", "packed") for kind in TABLE_
          for value in ("negative", "too_large") if not (form == "padded" and kind == "positions")]
 CASE_IDS = [f"{form}-{kind}-{value}" for form, kind, value in CASES]
 BAD_ROW = 3           # the flat index of the bad id
+# kernels_on_cpu() needs the interpreter; on a GPU the GPU test below runs the same kernels.
+needs_interpreter = pytest.mark.skipif(torch.cuda.is_available() or not interpreting(),
+                                       reason="Triton's interpreter (TRITON_INTERPRET=1, no GPU)")
 
 
 def bad_value(kind, value):
@@ -160,8 +163,8 @@ def test_cpu_paths_raise_a_clear_error(backend, form, kind, value):
 # ---------------------------------------------------------------------------------------------
 # The Triton kernels (interpreter): guarded, never the wrapped row, nothing out of bounds.
 
-@needs_kernels
 @pytest.mark.parametrize("form,kind,value", CASES, ids=CASE_IDS)
+@needs_interpreter
 def test_triton_forward_is_guarded(form, kind, value):
     tokens, segments, positions = ids_with_bad(form, kind, value)
     tables = guarded_tables()
@@ -174,7 +177,7 @@ def test_triton_forward_is_guarded(form, kind, value):
         assert not torch.allclose(got, wrapped_row(tokens, segments, positions, tables)), "a wrapped index"
 
 
-@needs_kernels
+@needs_interpreter
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("form,kind,value", CASES, ids=CASE_IDS)
 def test_triton_backward_is_guarded(form, kind, value, deterministic):
@@ -213,3 +216,29 @@ def test_compiled_raises_never_wraps(backend):
             tokens, segments, positions = ids_with_bad("packed", kind, value)
             with pytest.raises((RuntimeError, IndexError), match="out of (bounds|range)"):
                 compiled(tokens, segments, *tables, positions, backend)
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU: the Triton kernels and the extension's CUDA kernels give the same guarded result.
+
+def cuda_forward_backward(backend, tokens, segments, positions, tables, grad_out, deterministic):
+    args = [t.cuda() if t is not None else None for t in (tokens, segments, positions)]
+    out, grads = embedding_forward_backward(backend, *args, [t.cuda() for t in tables], grad_out.cuda(), False,
+                                            deterministic)
+    return out.cpu(), [g.cpu() for g in grads]
+
+
+@needs_cuda
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("form,kind,value", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("triton", "cuda")])
+def test_gpu_kernels_are_guarded(backend, form, kind, value, deterministic):
+    tokens, segments, positions = ids_with_bad(form, kind, value)
+    tables = [t.contiguous() for t in guarded_tables()]
+    grad_out = torch.randn(*tokens.shape, HIDDEN, generator=torch.Generator().manual_seed(2))
+    expected_out, expected = guarded_reference(tokens, segments, positions, tables, grad_out)
+    out, grads = call_in_child(cuda_forward_backward, backend, tokens, segments, positions, tables, grad_out,
+                               deterministic)
+    torch.testing.assert_close(out.double(), expected_out, atol=1e-5, rtol=0)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got.reshape(want.shape).double(), want, atol=1e-5, rtol=0)
