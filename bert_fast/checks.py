@@ -1,57 +1,120 @@
 """Input validation for the fast modules: bad input gets a ValueError/TypeError that says
-what was wrong and what is allowed, never a wrong answer or a device-side crash.
+what was wrong and what is allowed, never a crash or a silent wrong answer.
 
-Shape, dtype and device checks are free. Range checks (token ids, segment ids, NaN lengths)
-read values, which costs one host synchronisation; they are skipped while torch.compile
-traces, and the whole check can be turned off with ``check_inputs=False`` on the module.
+The rule:
+
+* Checks that need no host synchronisation ALWAYS run, eager or under torch.compile, whatever
+  ``check_inputs`` says: argument types, ranks, shapes, dtypes and devices of the inputs
+  (``check_encoder_shapes``), and the modules' constructor arguments (``check_size``,
+  ``check_dropout``). They are plain attribute comparisons on the host (no tensor op, no
+  sync); under torch.compile they are evaluated while tracing and become guards.
+* Checks of values (token ids in [0, vocab_size), segment ids in {0, 1}, no NaN in float
+  ``valid_lens``) read the data, which costs one host synchronisation per forward. They are
+  what ``check_inputs=False`` turns off (``check_encoder_values``). With ``check_inputs=True``
+  they run in eager mode and under torch.compile (also ``fullgraph=True``): there they run
+  inside the compiled graph as one opaque op (``bert_fast::check_encoder_values``) ordered
+  before the embedding lookup, so an out-of-range id is a Python ValueError, never the
+  process abort of Inductor's "index out of bounds" check.
+
+With ``check_inputs=False`` an out-of-range id is undefined behaviour (an error, a device-side
+assert, an abort, or garbage); shapes, dtypes and devices are still checked.
+
+Allowed id dtypes: torch.int64 (long) and torch.int32, the index dtypes
+torch.nn.functional.embedding accepts. ``valid_lens``: None, or an integer or floating tensor
+of shape (batch,) or (batch, seq_len) (1-D only with skip_padding).
 """
+
+import numbers
+from typing import Optional
 
 import torch
 
 from .ops._triton import as_dtype
 
+ID_DTYPES = (torch.int64, torch.int32)
+_ID_DTYPE_NAMES = "torch.int64 (torch.long) or torch.int32 (the index dtypes F.embedding accepts)"
 
-def _is_integer(t):
-    return not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
+
+# ----------------------------------------------------------------------- constructor arguments
+
+def check_size(name, value):
+    """``value`` must be a positive int (bool is not one); returns it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a positive int, got {value!r} ({type(value).__name__})")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+    return int(value)
 
 
-def check_encoder_inputs(tokens, segments, valid_lens, *, vocab_size, max_len, device,
-                         skip_padding=False):
-    for name, t in (("tokens", tokens), ("segments", segments)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if not _is_integer(t):
-            raise TypeError(f"{name} must have an integer dtype (e.g. torch.long), got {t.dtype}")
-    if tokens.dim() != 2:
-        raise ValueError(f"tokens must have shape (batch, seq_len), got {tuple(tokens.shape)}")
-    if segments.shape != tokens.shape:
-        raise ValueError(f"segments must have the shape of tokens {tuple(tokens.shape)}, "
+def check_dropout(value, name="dropout"):
+    """``value`` must be a real number in [0, 1); returns it as a float. 1 is refused on every
+    backend: the fused kernels scale kept values by 1/(1-p)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float in [0, 1), got {value!r} ({type(value).__name__})")
+    if not 0 <= value < 1:
+        raise ValueError(f"{name} must be in [0, 1), got {value}"
+                         + (" (p=1 would drop everything; the fused kernels scale by 1/(1-p))"
+                            if value == 1 else ""))
+    return float(value)
+
+
+# ----------------------------------------------------------------------- always-on input checks
+
+def check_encoder_shapes(tokens, segments, valid_lens, *, max_len, device, skip_padding=False):
+    """Types, ranks, shapes, dtypes and devices of the encoder's inputs: no tensor op, no sync.
+    Runs on every forward, whatever ``check_inputs`` says."""
+    if type(tokens) is not torch.Tensor and not isinstance(tokens, torch.Tensor):
+        raise TypeError(f"tokens must be a torch.Tensor, got {type(tokens).__name__}")
+    if type(segments) is not torch.Tensor and not isinstance(segments, torch.Tensor):
+        raise TypeError(f"segments must be a torch.Tensor, got {type(segments).__name__}")
+    if tokens.dtype not in ID_DTYPES:
+        raise TypeError(f"tokens must have dtype {_ID_DTYPE_NAMES}, got {tokens.dtype}")
+    if segments.dtype not in ID_DTYPES:
+        raise TypeError(f"segments must have dtype {_ID_DTYPE_NAMES}, got {segments.dtype}")
+    shape = tokens.shape
+    if len(shape) != 2:
+        raise ValueError(f"tokens must have shape (batch, seq_len), got {tuple(shape)}")
+    if segments.shape != shape:
+        raise ValueError(f"segments must have the shape of tokens {tuple(shape)}, "
                          f"got {tuple(segments.shape)}")
-    batch, seqlen = tokens.shape
+    batch, seqlen = shape
     if seqlen > max_len:
         raise ValueError(f"sequence length {seqlen} exceeds max_len {max_len} "
                          f"(the size of the position table)")
     if batch == 0 or seqlen == 0:
-        raise ValueError(f"tokens must be non-empty, got shape {tuple(tokens.shape)}")
-    tensors = {"tokens": tokens, "segments": segments}
+        raise ValueError(f"tokens must be non-empty, got shape {tuple(shape)}")
+    if tokens.device != device:
+        raise ValueError(f"tokens is on {tokens.device} but the model's parameters are on {device}; "
+                         f"move them to the same device")
+    if segments.device != device:
+        raise ValueError(f"segments is on {segments.device} but the model's parameters are on {device}; "
+                         f"move them to the same device")
     if valid_lens is not None:
-        if not isinstance(valid_lens, torch.Tensor):
-            raise TypeError(f"valid_lens must be a torch.Tensor or None, got {type(valid_lens).__name__}")
-        if valid_lens.dtype == torch.bool or valid_lens.is_complex():
-            raise TypeError(f"valid_lens must have a real (integer or floating) dtype, got {valid_lens.dtype}")
-        if valid_lens.shape not in ((batch,), (batch, seqlen)):
-            raise ValueError(f"valid_lens must have shape (batch,) = ({batch},) or (batch, seq_len) = "
-                             f"({batch}, {seqlen}), got {tuple(valid_lens.shape)}")
-        if skip_padding and valid_lens.dim() != 1:
-            raise ValueError("skip_padding=True needs 1-D valid_lens of shape (batch,): with per-query "
-                             "(2-D) lengths the padded positions are not defined; use skip_padding=False")
-        tensors["valid_lens"] = valid_lens
-    for name, t in tensors.items():
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device} but the model's parameters are on {device}; "
-                             f"move them to the same device")
-    if torch.compiler.is_compiling():
-        return
+        check_valid_lens(valid_lens, batch, seqlen, skip_padding=skip_padding)
+        if valid_lens.device != device:
+            raise ValueError(f"valid_lens is on {valid_lens.device} but the model's parameters are on "
+                             f"{device}; move them to the same device")
+
+
+def check_valid_lens(valid_lens, batch, seqlen, *, skip_padding=False):
+    """valid_lens' type, dtype and shape for (batch, seqlen) inputs (no sync)."""
+    if not isinstance(valid_lens, torch.Tensor):
+        raise TypeError(f"valid_lens must be a torch.Tensor or None, got {type(valid_lens).__name__}")
+    dtype = valid_lens.dtype
+    if dtype is torch.bool or dtype.is_complex:
+        raise TypeError(f"valid_lens must have a real (integer or floating) dtype, got {dtype}")
+    vshape = valid_lens.shape
+    if vshape != (batch,) and vshape != (batch, seqlen):
+        raise ValueError(f"valid_lens must have shape (batch,) = ({batch},) or (batch, seq_len) = "
+                         f"({batch}, {seqlen}), got {tuple(vshape)}")
+    if skip_padding and len(vshape) != 1:
+        raise ValueError("skip_padding=True needs 1-D valid_lens of shape (batch,): with per-query "
+                         "(2-D) lengths the padded positions are not defined; use skip_padding=False")
+
+
+# ----------------------------------------------------------------------- value checks (check_inputs)
+
+def _check_values(tokens, segments, valid_lens, vocab_size):
     # One host sync for all range checks together, from one reduction over both id tensors.
     # int64: a narrower common dtype could wrap an out-of-range id into range.
     ids = torch.stack((as_dtype(tokens.reshape(-1), torch.int64), as_dtype(segments.reshape(-1), torch.int64)))
@@ -65,3 +128,39 @@ def check_encoder_inputs(tokens, segments, valid_lens, *, vocab_size, max_len, d
         raise ValueError(f"segment ids must be 0 or 1, got values in [{segment_min}, {segment_max}]")
     if has_nan and has_nan[0]:
         raise ValueError("valid_lens contains NaN")
+
+
+@torch.library.custom_op("bert_fast::check_encoder_values", mutates_args=())
+def _check_values_op(tokens: torch.Tensor, segments: torch.Tensor, valid_lens: Optional[torch.Tensor],
+                     vocab_size: int) -> torch.Tensor:
+    """The value checks as one op torch.compile keeps opaque (it runs them, in Python, when the
+    compiled graph runs); returns a zero of tokens' dtype that the caller adds to the tokens,
+    so that the check is ordered before (and is not dropped from) the embedding lookup."""
+    _check_values(tokens, segments, valid_lens, vocab_size)
+    return tokens.new_zeros(())
+
+
+@_check_values_op.register_fake
+def _(tokens, segments, valid_lens, vocab_size):
+    return tokens.new_empty(())
+
+
+def check_encoder_values(tokens, segments, valid_lens, *, vocab_size):
+    """Token ids in [0, vocab_size), segment ids in {0, 1}, no NaN in float valid_lens: one
+    host sync. Returns ``tokens``; under torch.compile, tokens made to depend on the check
+    (``tokens + 0`` from the check's op): use the returned tensor."""
+    if valid_lens is not None and valid_lens.requires_grad:
+        valid_lens = valid_lens.detach()
+    if torch.compiler.is_compiling():
+        return tokens + _check_values_op(tokens, segments, valid_lens, vocab_size)
+    _check_values(tokens, segments, valid_lens, vocab_size)
+    return tokens
+
+
+def check_encoder_inputs(tokens, segments, valid_lens, *, vocab_size, max_len, device,
+                         skip_padding=False):
+    """Every check: check_encoder_shapes, then check_encoder_values (one host sync).
+    Returns tokens as check_encoder_values does."""
+    check_encoder_shapes(tokens, segments, valid_lens, max_len=max_len, device=device,
+                         skip_padding=skip_padding)
+    return check_encoder_values(tokens, segments, valid_lens, vocab_size=vocab_size)

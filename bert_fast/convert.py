@@ -6,6 +6,7 @@ submodules, so every Parameter is the very same object (an optimizer built befor
 keeps working). A variant we cannot run exactly is left as it is, with a warning naming it.
 """
 
+import contextlib
 import warnings
 
 import torch
@@ -47,18 +48,21 @@ def _block_config(blk):
     attn, ffn = blk.attention, blk.ffn
     linears = [getattr(attn, n, None) for n in ("W_q", "W_k", "W_v", "W_o")]
     _require(all(isinstance(m, nn.Linear) for m in linears), "attention without W_q/W_k/W_v/W_o Linear layers")
+    W_q, W_k, W_v, W_o = linears
     inner_dropout = getattr(getattr(attn, "attention", None), "dropout", None)
     _require(isinstance(inner_dropout, nn.Dropout), "attention without attention.dropout")
     _require(isinstance(getattr(attn, "num_heads", None), int), "attention without num_heads")
+    _require(attn.num_heads > 0 and W_o.out_features % attn.num_heads == 0,
+             f"num_heads {attn.num_heads} (must be a positive divisor of num_hiddens {W_o.out_features})")
     for addnorm in (blk.addnorm1, blk.addnorm2):
         _require(isinstance(getattr(addnorm, "ln", None), nn.LayerNorm), "AddNorm without ln LayerNorm")
         _require(isinstance(getattr(addnorm, "dropout", None), nn.Dropout), "AddNorm without dropout")
     _require(all(isinstance(getattr(ffn, n, None), nn.Linear) for n in ("dense1", "dense2")),
              "FFN without dense1/dense2 Linear layers")
-    W_q, W_k, W_v, W_o = linears
     num_hiddens = W_o.out_features
     dropouts = {inner_dropout.p, blk.addnorm1.dropout.p, blk.addnorm2.dropout.p}
     _require(len(dropouts) == 1, f"different dropout rates {sorted(dropouts)}")
+    _require(0 <= min(dropouts) and max(dropouts) < 1, f"dropout {max(dropouts)} (must be in [0, 1))")
     _require(all((m.bias is None) == (W_q.bias is None) for m in linears), "mixed bias settings")
     for ln in (blk.addnorm1.ln, blk.addnorm2.ln):
         _require(tuple(ln.normalized_shape) == (num_hiddens,),
@@ -83,12 +87,24 @@ def _adopt_block(fast, blk):
     return fast
 
 
+@contextlib.contextmanager
+def _constructor_errors_unsupported():
+    """A configuration the fast constructors refuse (ValueError/TypeError) is a variant
+    optimize() skips with a warning, like the ones _block_config recognises."""
+    try:
+        yield
+    except _Unsupported:
+        raise
+    except (ValueError, TypeError) as why:
+        raise _Unsupported(f"configuration: {why}") from why
+
+
 def _convert_block(blk, backend):
     config = _block_config(blk)
     _require(config["ffn_num_input"] == config["num_hiddens"] == config["query_size"]
              == config["key_size"] == config["value_size"], "projection sizes differ from num_hiddens")
     kwargs = dict(activation=config.pop("activation"), backend=backend)
-    with torch.device("meta"):
+    with torch.device("meta"), _constructor_errors_unsupported():
         fast = FastEncoderBlock(*config.values(), **kwargs)
     return _adopt_block(fast, blk)
 
@@ -108,7 +124,7 @@ def _convert_encoder(enc, backend, skip_padding, cuda_graphs):
     _require(c["use_bias"], "attention without biases (BERTEncoder always uses them)")
     vocab_size, num_hiddens = enc.token_embedding.weight.shape
     _require(c["num_hiddens"] == num_hiddens == pos.shape[2], "embedding width differs from the blocks'")
-    with torch.device("meta"):
+    with torch.device("meta"), _constructor_errors_unsupported():
         fast = FastBERTEncoder(vocab_size, num_hiddens, c["norm_shape"], c["ffn_num_input"],
                                c["ffn_num_hiddens"], c["num_heads"], len(enc.blks), c["dropout"],
                                max_len=pos.shape[1], key_size=c["key_size"],
@@ -123,20 +139,27 @@ def _convert_encoder(enc, backend, skip_padding, cuda_graphs):
     return fast
 
 
-def _swap(module, backend, encoder_options, path):
-    """Return the replacement for ``module`` (or ``module`` itself, its children swapped)."""
+def _swap(module, backend, encoder_options, path, done=None):
+    """Return the replacement for ``module`` (or ``module`` itself, its children swapped).
+    ``done``: id -> replacement of the modules already visited: each module is visited once
+    (a module reachable twice gets the same replacement; a cycle ends)."""
+    done = {} if done is None else done
+    if id(module) in done:
+        return done[id(module)]
+    done[id(module)] = module       # while its children are visited: a cycle back to it stops here
     for converter, looks_like, kind in ((_convert_encoder, _looks_like_encoder, "BERTEncoder"),
                                         (_convert_block, _looks_like_block, "EncoderBlock")):
         if isinstance(module, (FastBERTEncoder, FastEncoderBlock)) or not looks_like(module):
             continue
         try:
             args = (backend, *encoder_options) if converter is _convert_encoder else (backend,)
-            return converter(module, *args)
+            done[id(module)] = converter(module, *args)
+            return done[id(module)]
         except _Unsupported as why:
             warnings.warn(f"bert_fast.optimize: {path or 'model'} ({type(module).__name__}) looks like "
                           f"a reference-style {kind} but was left untouched: unsupported {why}", stacklevel=3)
     for name, child in module.named_children():
-        new = _swap(child, backend, encoder_options, f"{path}.{name}" if path else name)
+        new = _swap(child, backend, encoder_options, f"{path}.{name}" if path else name, done)
         if new is not child:
             setattr(module, name, new)
     return module

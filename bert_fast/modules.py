@@ -14,7 +14,8 @@ from torch.nn.modules import module as _nn_module
 
 from . import ops
 from .backend import backend_of, resolve_backend
-from .checks import check_encoder_inputs
+from .checks import (check_dropout, check_encoder_inputs, check_encoder_shapes, check_size,
+                     check_valid_lens)
 from .cuda_graph import DEFAULT_MAX_GRAPHS, clear_cuda_graphs, graphed_forward
 from .reference import AddNorm, BERTModel, MaskLM, NextSentencePred
 
@@ -58,6 +59,10 @@ class FastMultiHeadAttention(nn.Module):
     def __init__(self, key_size, query_size, value_size, num_hiddens, num_heads, dropout,
                  bias=False, *, backend=None, **kwargs):
         super().__init__(**kwargs)
+        for name, size in (("key_size", key_size), ("query_size", query_size), ("value_size", value_size),
+                           ("num_hiddens", num_hiddens), ("num_heads", num_heads)):
+            check_size(name, size)
+        check_dropout(dropout)
         if num_hiddens % num_heads != 0:
             raise ValueError(f"num_hiddens ({num_hiddens}) must be divisible by num_heads ({num_heads})")
         self.num_heads = num_heads
@@ -217,6 +222,7 @@ class FastAddNorm(AddNorm):
     """``LayerNorm(X + dropout(Y))``: the reference's module, forward through the op."""
 
     def __init__(self, normalized_shape, dropout, *, backend=None, **kwargs):
+        check_dropout(dropout)
         super().__init__(normalized_shape, dropout, **kwargs)
         self.backend = resolve_backend(backend)
 
@@ -231,6 +237,9 @@ class FastPositionWiseFFN(nn.Module):
     def __init__(self, ffn_num_input, ffn_num_hiddens, ffn_num_outputs, *, activation="relu",
                  backend=None, **kwargs):
         super().__init__(**kwargs)
+        for name, size in (("ffn_num_input", ffn_num_input), ("ffn_num_hiddens", ffn_num_hiddens),
+                           ("ffn_num_outputs", ffn_num_outputs)):
+            check_size(name, size)
         self.backend = resolve_backend(backend)
         if activation not in ops.ACTIVATIONS:
             raise ValueError(f"activation must be one of {ops.ACTIVATIONS}, got {activation!r}")
@@ -256,6 +265,10 @@ class FastEncoderBlock(nn.Module):
                  ffn_num_hiddens, num_heads, dropout, use_bias=False, *, activation="relu",
                  backend=None, **kwargs):
         super().__init__(**kwargs)
+        for name, size in (("num_hiddens", num_hiddens), ("ffn_num_hiddens", ffn_num_hiddens),
+                           ("num_heads", num_heads)):
+            check_size(name, size)
+        check_dropout(dropout)
         norm_shape = _normalized_size(norm_shape, num_hiddens)
         for name, size in (("query_size", query_size), ("key_size", key_size),
                            ("value_size", value_size), ("ffn_num_input", ffn_num_input)):
@@ -270,7 +283,14 @@ class FastEncoderBlock(nn.Module):
         self.addnorm2 = FastAddNorm(norm_shape, dropout, backend=backend)
 
     def forward(self, X, valid_lens=None, *, unpadding=None):
-        """``valid_lens`` may also be an ops.KeyMask (what FastBERTEncoder prepares once)."""
+        """``valid_lens`` may also be an ops.KeyMask (what FastBERTEncoder prepares once).
+        A tensor ``valid_lens`` must have shape (B,) or (B, L) for X of shape (B, L, H), as the
+        reference's (checked here: the block is public API; no sync)."""
+        if unpadding is None and valid_lens is not None and not isinstance(valid_lens, ops.KeyMask):
+            shape = X.shape
+            if len(shape) != 3:
+                raise ValueError(f"X must have shape (batch, seq_len, num_hiddens), got {tuple(shape)}")
+            check_valid_lens(valid_lens, shape[0], shape[1])
         sub = self._modules
         Y = sub["addnorm1"](X, sub["attention"](X, X, X, valid_lens, unpadding=unpadding))
         return sub["addnorm2"](Y, sub["ffn"](Y))
@@ -288,8 +308,11 @@ class FastBERTEncoder(nn.Module):
         (the exact mode computes real values there).
       backend: "auto" (default: triton for CUDA inputs, else torch), "torch" or "triton"
         (see bert_fast.backend).
-      check_inputs: validate ids, lengths, shapes and devices (one host sync); set False
-        (or flip the attribute) in a production loop that already guarantees them.
+      check_inputs: check values: token ids in [0, vocab_size), segment ids in {0, 1}, no NaN
+        in valid_lens (one host sync per forward; under torch.compile too, inside the graph);
+        set False (or flip the attribute) in a production loop that already guarantees them.
+        Types, shapes, dtypes (ids: int64 or int32) and devices are checked on every forward
+        whatever it says (no sync; see bert_fast.checks).
       cuda_graphs: replay inference forwards from CUDA graphs captured per shape bucket
         (bert_fast.cuda_graph: buckets, costs, limits; at most ``max_cuda_graphs`` graphs, an
         attribute, default 8); training, non-CUDA inputs and recording autograd run eagerly
@@ -301,6 +324,11 @@ class FastBERTEncoder(nn.Module):
                  value_size=768, *, activation="relu", learn_pos_embedding=False,
                  skip_padding=False, backend=None, check_inputs=True, cuda_graphs=False, **kwargs):
         super().__init__(**kwargs)
+        for name, size in (("vocab_size", vocab_size), ("num_hiddens", num_hiddens),
+                           ("ffn_num_hiddens", ffn_num_hiddens), ("num_heads", num_heads),
+                           ("num_layers", num_layers), ("max_len", max_len)):
+            check_size(name, size)
+        check_dropout(dropout)
         self.backend = resolve_backend(backend)
         self.learn_pos_embedding = learn_pos_embedding
         self.skip_padding = skip_padding
@@ -330,8 +358,9 @@ class FastBERTEncoder(nn.Module):
         return self
 
     def validate_inputs(self, tokens, segments, valid_lens=None):
-        """What forward checks when check_inputs is True (bert_fast.checks: one host sync)."""
-        check_encoder_inputs(tokens, segments, valid_lens, vocab_size=self.token_embedding.num_embeddings,
+        """What forward checks when check_inputs is True: shapes and values (bert_fast.checks:
+        one host sync). Returns tokens (under torch.compile: made to depend on the check)."""
+        return check_encoder_inputs(tokens, segments, valid_lens, vocab_size=self.token_embedding.num_embeddings,
                              max_len=self.pos_embedding.shape[1], device=self.pos_embedding.device,
                              skip_padding=self.skip_padding)
 
@@ -344,7 +373,11 @@ class FastBERTEncoder(nn.Module):
         """The eager forward; ``num_tokens`` (skip_padding): a static bound on the valid tokens
         instead of counting them on the host (what a CUDA graph captures)."""
         if self.check_inputs:
-            self.validate_inputs(tokens, segments, valid_lens)
+            tokens = self.validate_inputs(tokens, segments, valid_lens)
+        else:   # always on: no tensor op, no sync
+            pos = self._parameters["pos_embedding"]
+            check_encoder_shapes(tokens, segments, valid_lens, max_len=pos.shape[1], device=pos.device,
+                                 skip_padding=self.skip_padding)
         backend = backend_of(self.backend, tokens)
         embed = dict(token_weight=self.token_embedding.weight,
                      segment_weight=self.segment_embedding.weight,
@@ -379,6 +412,9 @@ class FastBERTModel(BERTModel):
                  nsp_in_features=768, **options):
         # Not BERTModel.__init__: it would allocate a reference encoder only to replace it.
         nn.Module.__init__(self)
+        for name, size in (("hid_in_features", hid_in_features), ("mlm_in_features", mlm_in_features),
+                           ("nsp_in_features", nsp_in_features)):
+            check_size(name, size)
         self.encoder = FastBERTEncoder(vocab_size, num_hiddens, norm_shape, ffn_num_input,
                                        ffn_num_hiddens, num_heads, num_layers, dropout,
                                        max_len=max_len, key_size=key_size, query_size=query_size,

@@ -1,0 +1,209 @@
+"""Issue 12: no input gives a crash or a silent wrong answer, eager or under torch.compile.
+
+The rule (bert_fast.checks): type/shape/dtype/device checks and constructor checks always run;
+value checks (id ranges, NaN lengths) run unless check_inputs=False, compiled too.
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from bert_fast import FastBERTEncoder, FastBERTModel, FastEncoderBlock, optimize
+from bert_fast import reference as R
+from bert_fast.backend import available_backends
+
+from tests.helpers import encoder_config, encoder_pair, random_inputs
+from tests.isolated import call_in_child
+
+BACKENDS = available_backends()
+V = 50
+
+
+# ------------------------------------------------------------------ item 1: compiled value checks
+
+def _describe_error(fn):
+    try:
+        fn()
+    except Exception as error:          # noqa: BLE001 - reported to the parent as text
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def compiled_bad_ids(backend, fullgraph):
+    """In a child: a tiny encoder compiled, fed good ids, then out-of-range ones (which made
+    Inductor's bounds check abort the process); each outcome as text."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = encoder_config(num_heads=2, head_dim=4, num_layers=1, vocab_size=V, max_len=8)
+    _, fast = encoder_pair(config, backend=backend)
+    compiled = torch.compile(fast, fullgraph=fullgraph)
+    tokens, segments = random_inputs(2, 5, V)
+    valid_lens = torch.tensor([5, 3])
+    outcome = {"matches_eager": bool(torch.allclose(compiled(tokens, segments, valid_lens),
+                                                    fast(tokens, segments, valid_lens), atol=1e-5))}
+    for name, (t, s) in {
+        "token_high": (tokens.clone().index_put_((torch.tensor(0), torch.tensor(0)), torch.tensor(V)), segments),
+        "token_negative": (tokens.clone().index_put_((torch.tensor(1), torch.tensor(2)), torch.tensor(-1)), segments),
+        "segment_2": (tokens, segments.clone().fill_(2)),
+    }.items():
+        outcome[name] = _describe_error(lambda: compiled(t, s, valid_lens))
+    outcome["nan_lens"] = _describe_error(lambda: compiled(tokens, segments, torch.tensor([5.0, math.nan])))
+    outcome["good_after"] = _describe_error(lambda: compiled(tokens, segments, valid_lens))
+    # check_inputs=False: the shape checks still run (the value checks do not).
+    fast.check_inputs = False
+    outcome["unchecked_bad_segments_shape"] = _describe_error(
+        lambda: compiled(tokens, segments[:, :-1], valid_lens))
+    return outcome
+
+
+@pytest.mark.parametrize("backend", [b for b in ("torch", "triton") if b in BACKENDS])
+def test_out_of_range_ids_raise_under_torch_compile(backend):
+    outcome = call_in_child(compiled_bad_ids, backend, True)
+    assert outcome["matches_eager"]
+    assert outcome["token_high"].startswith(f"ValueError: token ids must be in [0, {V})"), outcome
+    assert outcome["token_negative"].startswith(f"ValueError: token ids must be in [0, {V})"), outcome
+    assert outcome["segment_2"].startswith("ValueError: segment ids must be 0 or 1"), outcome
+    assert outcome["nan_lens"] == "ValueError: valid_lens contains NaN", outcome
+    assert outcome["good_after"] == "no error", outcome
+    assert "segments must have the shape of tokens" in outcome["unchecked_bad_segments_shape"], outcome
+
+
+# ------------------------------------------------------------------ items 3 and 8: always-on checks
+
+@pytest.mark.parametrize("check_inputs", [True, False])
+@pytest.mark.parametrize("skip_padding", [True, False])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shape_checks_run_with_check_inputs_off(backend, skip_padding, check_inputs):
+    _, fast = encoder_pair(encoder_config(num_heads=2, head_dim=4, num_layers=1, max_len=16),
+                           backend=backend, skip_padding=skip_padding, check_inputs=check_inputs)
+    tokens, segments = random_inputs(3, 6, V)
+    fast(tokens, segments, torch.tensor([6, 2, 4]))
+    with pytest.raises(ValueError, match=r"valid_lens must have shape \(batch,\) = \(3,\)"):
+        fast(tokens, segments, torch.tensor([4]))
+    with pytest.raises(ValueError, match="segments must have the shape of tokens"):
+        fast(tokens, segments[:, :-1], torch.tensor([6, 2, 4]))
+    with pytest.raises(ValueError, match="exceeds max_len 16"):
+        fast(*random_inputs(3, 17, V), None)
+    with pytest.raises(ValueError, match="tokens is on meta"):
+        fast(tokens.to("meta"), segments, None)
+
+
+@pytest.mark.parametrize("check_inputs", [True, False])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.int16, torch.uint8, torch.int8, torch.float32, torch.bool])
+def test_only_int32_and_int64_ids(backend, dtype, check_inputs):
+    _, fast = encoder_pair(encoder_config(num_heads=2, head_dim=4, num_layers=1),
+                           backend=backend, check_inputs=check_inputs)
+    tokens, segments = random_inputs(2, 5, V)
+    with pytest.raises(TypeError, match=rf"tokens must have dtype torch.int64 \(torch.long\) or torch.int32.*got {dtype}"):
+        fast(tokens.to(dtype), segments, None)
+    with pytest.raises(TypeError, match=rf"segments must have dtype torch.int64 \(torch.long\) or torch.int32.*got {dtype}"):
+        fast(tokens, segments.to(dtype), None)
+    expected = fast(tokens, segments, None)
+    torch.testing.assert_close(fast(tokens.int(), segments.int(), None), expected)
+
+
+# ------------------------------------------------------------------ item 4: the block's valid_lens
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_block_rejects_valid_lens_that_would_broadcast(backend):
+    args = (8, 8, 8, 8, [8], 8, 16, 2, 0.0)
+    ref = R.EncoderBlock(*args).eval()
+    fast = FastEncoderBlock(*args, backend=backend).eval()
+    X = torch.randn(3, 5, 8)
+    with pytest.raises(Exception):
+        ref(X, torch.tensor([4]))       # the reference refuses too
+    for bad in (torch.tensor([4]), torch.tensor([4, 4]), torch.ones(3, 4), torch.ones(3, 5, 1)):
+        with pytest.raises(ValueError, match=r"valid_lens must have shape \(batch,\) = \(3,\)"):
+            fast(X, bad)
+    fast(X, torch.tensor([5, 1, 3]))
+    fast(X, torch.full((3, 5), 2))
+
+
+# ------------------------------------------------------------------ items 5 and 6: constructors
+
+BAD_CONSTRUCTOR_ARGS = [
+    (dict(num_heads=0), ValueError, "num_heads must be a positive int, got 0"),
+    (dict(num_heads=-2), ValueError, "num_heads must be a positive int, got -2"),
+    (dict(num_heads=2.0), TypeError, r"num_heads must be a positive int, got 2.0 \(float\)"),
+    (dict(num_heads=True), TypeError, "num_heads must be a positive int, got True"),
+    (dict(num_hiddens=0, norm_shape=[0], ffn_num_input=0, key_size=0, query_size=0, value_size=0),
+     ValueError, "must be a positive int, got 0"),
+    (dict(ffn_num_hiddens=0), ValueError, "ffn_num_hiddens must be a positive int, got 0"),
+    (dict(dropout=1.0), ValueError, r"dropout must be in \[0, 1\), got 1.0 \(p=1 would drop everything"),
+    (dict(dropout=-0.1), ValueError, r"dropout must be in \[0, 1\), got -0.1"),
+    (dict(dropout=math.nan), ValueError, r"dropout must be in \[0, 1\), got nan"),
+    (dict(dropout="0.1"), TypeError, r"dropout must be a float in \[0, 1\)"),
+]
+ENCODER_ONLY_ARGS = [
+    (dict(vocab_size=0), ValueError, "vocab_size must be a positive int, got 0"),
+    (dict(num_layers=0), ValueError, "num_layers must be a positive int, got 0"),
+    (dict(num_layers=2.5), TypeError, "num_layers must be a positive int"),
+    (dict(max_len=0), ValueError, "max_len must be a positive int, got 0"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("change,error,message", BAD_CONSTRUCTOR_ARGS + ENCODER_ONLY_ARGS)
+def test_encoder_and_model_constructors_refuse_bad_arguments(backend, change, error, message):
+    config = {**encoder_config(num_heads=2, head_dim=4), **change}
+    with pytest.raises(error, match=message):
+        FastBERTEncoder(**config, backend=backend)
+    with pytest.raises(error, match=message):
+        FastBERTModel(**config, hid_in_features=8, mlm_in_features=8, nsp_in_features=8, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("change,error,message", BAD_CONSTRUCTOR_ARGS)
+def test_block_constructor_refuses_bad_arguments(backend, change, error, message):
+    config = {k: v for k, v in encoder_config(num_heads=2, head_dim=4).items()
+              if k not in ("vocab_size", "num_layers", "max_len")}
+    config = {**config, **change}
+    with pytest.raises(error, match=message):
+        FastEncoderBlock(config["key_size"], config["query_size"], config["value_size"], config["num_hiddens"],
+                         config["norm_shape"], config["ffn_num_input"], config["ffn_num_hiddens"],
+                         config["num_heads"], config["dropout"], backend=backend)
+
+
+def test_model_head_sizes_checked():
+    with pytest.raises(ValueError, match="nsp_in_features must be a positive int, got 0"):
+        FastBERTModel(**encoder_config(num_heads=2, head_dim=4), hid_in_features=8, mlm_in_features=8,
+                      nsp_in_features=0)
+
+
+def test_dropout_just_below_one_is_accepted():
+    FastBERTEncoder(**encoder_config(num_heads=2, head_dim=4, dropout=0.999))
+    FastBERTEncoder(**encoder_config(num_heads=2, head_dim=4, dropout=0))
+
+
+# ------------------------------------------------------------------ item 8: optimize()
+
+def test_optimize_skips_a_reference_whose_heads_do_not_divide_with_a_warning():
+    model = torch.nn.Sequential(R.BERTEncoder(**{**encoder_config(num_heads=2, head_dim=4), "num_heads": 3}))
+    with pytest.warns(UserWarning, match=r"bert_fast.optimize: 0 \(BERTEncoder\).*left untouched.*num_heads 3"):
+        optimize(model, "torch")
+    assert type(model[0]) is R.BERTEncoder
+
+
+def test_optimize_skips_a_reference_with_dropout_one_with_a_warning():
+    model = torch.nn.Sequential(R.BERTEncoder(**encoder_config(num_heads=2, head_dim=4, dropout=1.0)))
+    with pytest.warns(UserWarning, match=r"0 \(BERTEncoder\).*left untouched.*dropout 1.0"):
+        optimize(model, "torch")
+    assert type(model[0]) is R.BERTEncoder
+
+
+def test_optimize_handles_cycles_and_shared_modules():
+    encoder = R.BERTEncoder(**encoder_config(num_heads=2, head_dim=4, num_layers=1))
+    outer = torch.nn.Module()
+    outer.inner = torch.nn.Module()
+    outer.inner.back = outer            # a cycle
+    outer.inner.encoder = encoder
+    outer.again = encoder               # the same encoder twice
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert optimize(outer, "torch") is outer
+    assert isinstance(outer.inner.encoder, FastBERTEncoder)
+    assert outer.again is outer.inner.encoder, "a shared module gets one replacement"
+    assert outer.inner.back is outer
