@@ -107,3 +107,73 @@ def test_skip_padding_thin_and_compiled_agree():
     compiled = torch.compile(fast)
     with torch.no_grad():
         assert_close(compiled(tokens, segments, valid_lens), fast(tokens, segments, valid_lens), atol=1e-5)
+
+
+def _valid(valid_lens, seqlen):
+    return torch.arange(seqlen, dtype=torch.float32)[None, :] < valid_lens[:, None]
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_fullgraph_compile_of_skip_padding_matches_eager(backend):
+    """skip_padding's token count N is data-dependent: under torch.compile it is one unbacked
+    SymInt (no per-sequence host ints, no Python branch on them), so fullgraph traces it, and
+    other valid_lens (another N) reuse the same graph. Valid positions equal eager's, padded
+    ones are zeros."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    _, fast = encoder_pair(encoder_config(num_layers=1), skip_padding=True, backend=backend)
+    tokens, segments = random_inputs(3, 9, 50)
+    compiled = torch.compile(fast, fullgraph=True)
+    for valid_lens in (torch.tensor([3.0, 0.0, 9.0]), torch.tensor([2.5, 9.0, 1.0])):   # one dtype: no dtype guard
+        valid = _valid(valid_lens, 9)
+        with torch.no_grad():
+            out, expected = compiled(tokens, segments, valid_lens), fast(tokens, segments, valid_lens)
+        assert_close(out[valid], expected[valid], atol=1e-5, what=f"valid positions, valid_lens={valid_lens}")
+        assert torch.all(out[~valid] == 0), "padded positions must be zeros"
+    assert counters["stats"]["unique_graphs"] == 1, "a new token count must not recompile"
+
+
+def test_fullgraph_compile_of_skip_padding_trains():
+    """The compiled skip_padding graph (torch backend) gives eager's gradients."""
+    torch._dynamo.reset()
+    _, fast = encoder_pair(encoder_config(num_layers=1), skip_padding=True, backend="torch")
+    fast.train()
+    tokens, segments = random_inputs(3, 9, 50)
+    valid_lens = torch.tensor([3, 0, 9])
+    grads = []
+    for model in (fast, torch.compile(fast, fullgraph=True)):
+        fast.zero_grad(set_to_none=True)
+        out = model(tokens, segments, valid_lens)
+        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        grads.append({name: p.grad.clone() for name, p in fast.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name, grad in grads[0].items():
+        assert_close(grads[1][name], grad, atol=1e-4, rtol=1e-4, what=f"grad {name}")
+
+
+@pytest.mark.parametrize("capture_scalars", [False, True], ids=["default", "capture_scalar_outputs"])
+def test_skip_padding_compile_does_not_recompile_per_token_count(capture_scalars):
+    """Without fullgraph, Dynamo (by default) breaks the graph at N's host read; the graph after
+    it sees N as an input size, which is made dynamic on the second N: no graph per further N.
+    With capture_scalar_outputs N stays in the one graph: no recompile at all."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    _, fast = encoder_pair(encoder_config(num_layers=1), skip_padding=True, backend="torch")
+    tokens, segments = random_inputs(3, 9, 50)
+    graphs = []
+    with torch._dynamo.config.patch(capture_scalar_outputs=capture_scalars):
+        compiled = torch.compile(fast, backend="eager")      # recompiles are Dynamo's: no codegen needed
+        for valid_lens in ([3, 0, 9], [5, 2, 7], [9, 9, 1], [1, 1, 1]):
+            valid_lens = torch.tensor(valid_lens)
+            valid = _valid(valid_lens, 9)
+            with torch.no_grad():
+                out, expected = compiled(tokens, segments, valid_lens), fast(tokens, segments, valid_lens)
+            assert_close(out[valid], expected[valid], atol=1e-5)
+            assert torch.all(out[~valid] == 0)
+            graphs.append(counters["stats"]["unique_graphs"])
+    if capture_scalars:
+        assert graphs == [1] * 4, graphs
+    else:
+        assert graphs[1] == graphs[2] == graphs[3], graphs

@@ -981,6 +981,9 @@ def unpadded_self_attention(qkv, num_heads, unpadding, valid_lens, dropout_p=0.0
     dropout) runs it on the CPU as one SDPA call per sequence (no padding copies, no masked
     work); elsewhere, and for a static unpadding (no host counts), as one call over the
     re-padded (B, L) layout with the key mask, which keeps the launch count independent of B.
+    Under torch.compile the unpadding is static (unpadding_for: N is one unbacked SymInt, no
+    per-sequence host ints), so it is the re-padded form: no Python branch on a data-dependent
+    size, and ``torch.compile(fullgraph=True)`` traces it in one graph.
     ``per_sequence`` forces one or the other (the PyTorch path only).
     """
     if uses_triton(backend):
@@ -999,7 +1002,8 @@ def unpadded_self_attention(qkv, num_heads, unpadding, valid_lens, dropout_p=0.0
         per_sequence = qkv.device.type == "cpu" and not unpadding.static
     if per_sequence and unpadding.static:
         raise ValueError("per_sequence attention needs the per-sequence counts on the host; a static "
-                         "unpadding (num_tokens given) has none")
+                         "unpadding (num_tokens given, or made under torch.compile) has none: use "
+                         "per_sequence=None or False")
     if not per_sequence:
         context = packed_self_attention(pad(qkv, unpadding), num_heads, valid_lens, dropout_p)
         return unpad(context, unpadding)

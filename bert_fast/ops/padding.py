@@ -8,6 +8,12 @@ Static (``num_tokens`` given, e.g. a CUDA-graph bucket >= the valid count): no h
 can be captured; the packed tensors have ``num_tokens`` rows, the rows past the valid count are
 filler that reads slot B*L (a zero row, token 0) and that ``pad`` drops, and they belong to no
 sequence of ``cu_seqlens``, so attention never mixes them with real tokens.
+
+Under torch.compile the counted form has no host counts either: N is one data-dependent scalar
+(an unbacked SymInt, ``counts.sum().item()``, bounded by B*L through torch._check hints), not B
+per-sequence Python ints, and the unpadding is static with exactly N rows (no filler). Nothing
+downstream branches on its value, so ``torch.compile(fullgraph=True)`` traces it in one graph,
+and a new N is no new graph (no recompile).
 """
 
 from typing import NamedTuple
@@ -37,6 +43,12 @@ def unpadding_for(valid_lens, seqlen, num_tokens=None):
     counts = valid.sum(dim=1, dtype=torch.int32)
     cu_seqlens = F.pad(torch.cumsum(counts, 0, dtype=torch.int32), (1, 0))
     batch = valid_lens.shape[0]
+    if num_tokens is None and torch.compiler.is_compiling():
+        # No per-sequence Python ints to branch on (see the module docstring): the static form
+        # with the exact count, a size-like unbacked SymInt.
+        num_tokens = counts.sum().item()
+        torch._check(num_tokens >= 0)
+        torch._check(num_tokens <= batch * seqlen)
     if num_tokens is None:
         seqlens = counts.tolist()
         num_tokens, filler = sum(seqlens), 0
