@@ -13,7 +13,9 @@ Under torch.compile the counted form has no host counts either: N is one data-de
 (an unbacked SymInt, ``counts.sum().item()``, bounded by B*L through torch._check hints), not B
 per-sequence Python ints, and the unpadding is static with exactly N rows (no filler). Nothing
 downstream branches on its value, so ``torch.compile(fullgraph=True)`` traces it in one graph,
-and a new N is no new graph (no recompile).
+and a new N is no new graph (no recompile). Without fullgraph, Dynamo (unless
+``torch._dynamo.config.capture_scalar_outputs``) breaks the graph at that ``.item()``; the graph
+after it takes N as an input size, made dynamic on the second N, so no graph per further N.
 """
 
 from typing import NamedTuple
