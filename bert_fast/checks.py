@@ -24,6 +24,7 @@ torch.nn.functional.embedding accepts. ``valid_lens``: None, or an integer or fl
 of shape (batch,) or (batch, seq_len) (1-D only with skip_padding).
 """
 
+import inspect
 import numbers
 from typing import Optional
 
@@ -130,7 +131,16 @@ def _check_values(tokens, segments, valid_lens, vocab_size):
         raise ValueError("valid_lens contains NaN")
 
 
-@torch.library.custom_op("bert_fast::check_encoder_values", mutates_args=())
+# The op reads values on the host (a sync): it cannot be captured in a CUDA graph. Tagged so,
+# where this PyTorch has the tag, Inductor's cudagraphs (mode="reduce-overhead") keep it out of
+# the captured part instead of failing at capture (not yet run on a GPU).
+_CUDAGRAPH_UNSAFE = getattr(torch.Tag, "cudagraph_unsafe", None)
+_OP_OPTIONS = ({"tags": (_CUDAGRAPH_UNSAFE,)}
+               if _CUDAGRAPH_UNSAFE is not None and "tags" in inspect.signature(torch.library.custom_op).parameters
+               else {})
+
+
+@torch.library.custom_op("bert_fast::check_encoder_values", mutates_args=(), **_OP_OPTIONS)
 def _check_values_op(tokens: torch.Tensor, segments: torch.Tensor, valid_lens: Optional[torch.Tensor],
                      vocab_size: int) -> torch.Tensor:
     """The value checks as one op torch.compile keeps opaque (it runs them, in Python, when the
