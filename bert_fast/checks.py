@@ -16,8 +16,10 @@ The rule:
   before the embedding lookup, so an out-of-range id is a Python ValueError, never the
   process abort of Inductor's "index out of bounds" check.
 
-With ``check_inputs=False`` an out-of-range id is undefined behaviour (an error, a device-side
-assert, an abort, or garbage); shapes, dtypes and devices are still checked.
+With ``check_inputs=False`` shapes, dtypes and devices are still checked; an out-of-range id is
+never wrapped or read outside its table (ops.embedding_sum: an IndexError on the CPU, guarded
+loads in the GPU kernels, PyTorch's device-side assert on the torch backend on CUDA), but
+compiled with the check off Inductor's own bounds check may abort the process.
 
 Allowed id dtypes: torch.int64 (long) and torch.int32, the index dtypes
 torch.nn.functional.embedding accepts. ``valid_lens``: None, or an integer or floating tensor
