@@ -35,7 +35,7 @@ from . import bench_suite, host_bench
 from .backend import BACKENDS
 from .bench_common import (BASELINE, DTYPES, PRESETS, Progress, build_models, default_device,
                            environment_info, figure_class, first_call, make_inputs, max_error,
-                           plot_from_json, plot_speedup, record_path_for, replace_generated_table,
+                           add_record_options, plot_from_json, plot_speedup, record_path_for, replace_generated_table,
                            table_from_files, time_interleaved, write_json)
 
 # Default lengths and rounds per preset. A forward of the small presets takes milliseconds, so
@@ -244,16 +244,7 @@ def build_parser():
                              "fast[BACKEND] and fast_skip_padding[BACKEND] (default: auto, the "
                              "device's best, named fast and fast_skip_padding)")
     parser.add_argument("--device", help="e.g. cpu, cuda, cuda:1 (default: cuda if available, else cpu)")
-    record = parser.add_mutually_exclusive_group()
-    record.add_argument("--json", metavar="PATH",
-                        help="write the record (environment, command, configuration, every "
-                             "latency) here (default: benchmarks/results/<device>-<date>T<time>.json "
-                             "under the current directory, named when the run starts, e.g. "
-                             "benchmarks/results/cpu-2core-2026-11-23T0912.json; the folder is "
-                             "made if missing, and -2, -3 ... are appended rather than overwrite "
-                             "a record)")
-    record.add_argument("--no-record", action="store_true",
-                        help="write no record (default: write one, see --json)")
+    add_record_options(parser, contents="environment, command, configuration, every latency")
     parser.add_argument("--plot", metavar="PATH",
                         help="also draw speedup vs eager against sequence length into this PNG "
                              "(needs matplotlib)")

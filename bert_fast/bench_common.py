@@ -317,6 +317,20 @@ def default_record_path(device, suffix="", now=None, folder=RESULTS_FOLDER):
     return path
 
 
+def add_record_options(parser, suffix="", contents=""):
+    """--json PATH | --no-record, for a benchmark whose records default_record_path names with
+    ``suffix``; ``contents``: what the record holds or how it is written, for --json's help."""
+    name = f"<device>-<date>T<time>{'-' + suffix if suffix else ''}.json"
+    record = parser.add_mutually_exclusive_group()
+    record.add_argument("--json", metavar="PATH",
+                        help=f"write the record{' (' + contents + ')' if contents else ''} here (default: "
+                             f"benchmarks/results/{name} under the current directory, named when the run "
+                             f"starts; the folder is made if missing, and -2, -3 ... are appended rather "
+                             f"than overwrite a record)")
+    record.add_argument("--no-record", action="store_true",
+                        help="write no record (default: write one, see --json)")
+
+
 def record_path_for(json_option, device, suffix=""):
     """Where a run writes its record: ``--json``'s path, else default_record_path. Its folder is
     made now, so a place that cannot be written ends the command before the run, not after it."""

@@ -62,7 +62,7 @@ import numpy as np
 import torch
 
 from .backend import BACKENDS, backend_for, resolve_backend
-from .bench_common import (BASELINE, DTYPES, PRESETS, SUITE_RECORD_KIND, Method, Progress,
+from .bench_common import (BASELINE, DTYPES, PRESETS, SUITE_RECORD_KIND, Method, Progress, add_record_options,
                            build_models, default_device, encoder_config,
                            environment_info, failure_reason, fast_encoder_sharing, figure_class,
                            first_call, group_markdown, make_inputs, max_error, plot_suite,
@@ -670,14 +670,7 @@ def build_parser():
                              f"{QUICK['rounds']} rounds, no compile unless --compile")
     parser.add_argument("--matmul-n", type=int, metavar="N", help="size of the peak matmul (default: 8192 on CUDA; "
                                                      "on CPU 1024, fp16 256)")
-    record = parser.add_mutually_exclusive_group()
-    record.add_argument("--json", metavar="PATH",
-                        help="write the record here, rewritten after every shape (default: "
-                             "benchmarks/results/<device>-<date>T<time>-matrix.json under the "
-                             "current directory; the folder is made if missing, and -2, -3 ... "
-                             "are appended rather than overwrite a record)")
-    record.add_argument("--no-record", action="store_true",
-                        help="write no record (default: write one, see --json)")
+    add_record_options(parser, "matrix", contents="rewritten after every shape")
     parser.add_argument("--plot", metavar="PATH", help="also draw the record into this PNG")
     return parser
 

@@ -39,8 +39,9 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .bench_common import (HOST_RECORD_KIND, Progress, default_device, environment_info, host_record_markdown,
-                           make_inputs, record_path_for, synchronize, write_json, _rotated)
+from .bench_common import (HOST_RECORD_KIND, Progress, add_record_options, default_device, environment_info,
+                           host_record_markdown, make_inputs, record_path_for, synchronize, write_json,
+                           _rotated)
 from .backend import available_backends, resolve_backend
 from .modules import FastBERTEncoder
 from .reference import BERTEncoder
@@ -252,14 +253,7 @@ def build_parser():
                         help="calls per method and round (default: %(default)s)")
     parser.add_argument("--warmup", type=int, metavar="N", default=2, help="untimed rounds (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (default: 0)")
-    record = parser.add_mutually_exclusive_group()
-    record.add_argument("--json", metavar="PATH",
-                        help="write the record here (default: "
-                             "benchmarks/results/<device>-<date>T<time>-host.json under the "
-                             "current directory; the folder is made if missing, and -2, -3 ... "
-                             "are appended rather than overwrite a record)")
-    record.add_argument("--no-record", action="store_true",
-                        help="write no record (default: write one, see --json)")
+    add_record_options(parser, "host")
     return parser
 
 
