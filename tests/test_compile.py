@@ -8,6 +8,19 @@ from bert_fast.backend import available_backends
 from tests.helpers import assert_close, encoder_config, encoder_pair, random_inputs
 
 
+def assert_same_gradients(fast, compiled, tokens, segments, valid_lens):
+    """The compiled module (of ``fast``) gives eager's parameter gradients."""
+    grads = []
+    for model in (fast, compiled):
+        fast.zero_grad(set_to_none=True)
+        out = model(tokens, segments, valid_lens)
+        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        grads.append({name: p.grad.clone() for name, p in fast.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name, grad in grads[0].items():
+        assert_close(grads[1][name], grad, atol=1e-4, rtol=1e-4, what=f"grad {name}")
+
+
 @pytest.mark.parametrize("valid_lens", [torch.tensor([3, 0, 9]), torch.tensor([[1, 2, 3, 0, 9, 9, 9, 9, 9]] * 3)],
                          ids=["1d", "2d"])
 def test_fullgraph_compile_matches_reference(valid_lens):
@@ -86,15 +99,7 @@ def test_thin_eager_path_and_compiled_registered_ops_agree(backend):
                      what="compiled vs eager output")
     assert REGISTERED_OPS[backend] <= traced, sorted(traced)
     fast.train()
-    grads = []
-    for model in (fast, compiled):
-        fast.zero_grad(set_to_none=True)
-        out = model(tokens, segments, valid_lens)
-        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
-        grads.append({name: p.grad.clone() for name, p in fast.named_parameters() if p.grad is not None})
-    assert grads[0].keys() == grads[1].keys() and grads[0]
-    for name, grad in grads[0].items():
-        assert_close(grads[1][name], grad, atol=1e-4, rtol=1e-4, what=f"grad {name}")
+    assert_same_gradients(fast, compiled, tokens, segments, valid_lens)
 
 
 def test_skip_padding_thin_and_compiled_agree():
@@ -141,15 +146,7 @@ def test_fullgraph_compile_of_skip_padding_trains():
     fast.train()
     tokens, segments = random_inputs(3, 9, 50)
     valid_lens = torch.tensor([3, 0, 9])
-    grads = []
-    for model in (fast, torch.compile(fast, fullgraph=True)):
-        fast.zero_grad(set_to_none=True)
-        out = model(tokens, segments, valid_lens)
-        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
-        grads.append({name: p.grad.clone() for name, p in fast.named_parameters() if p.grad is not None})
-    assert grads[0].keys() == grads[1].keys() and grads[0]
-    for name, grad in grads[0].items():
-        assert_close(grads[1][name], grad, atol=1e-4, rtol=1e-4, what=f"grad {name}")
+    assert_same_gradients(fast, torch.compile(fast, fullgraph=True), tokens, segments, valid_lens)
 
 
 @pytest.mark.parametrize("capture_scalars", [False, True], ids=["default", "capture_scalar_outputs"])
