@@ -13,13 +13,12 @@ The rule:
   what ``check_inputs=False`` turns off (``check_encoder_values``). With ``check_inputs=True``
   they run in eager mode and under torch.compile (also ``fullgraph=True``): there they run
   inside the compiled graph as one opaque op (``bert_fast::check_encoder_values``) ordered
-  before the embedding lookup, so an out-of-range id is a Python ValueError, never the
-  process abort of Inductor's "index out of bounds" check.
+  before the embedding lookup, so an out-of-range id is a Python ValueError.
 
 With ``check_inputs=False`` shapes, dtypes and devices are still checked; an out-of-range id is
 never wrapped or read outside its table (ops.embedding_sum: an IndexError on the CPU, guarded
-loads in the GPU kernels, PyTorch's device-side assert on the torch backend on CUDA), but
-compiled with the check off Inductor's own bounds check may abort the process.
+loads in the GPU kernels and in the torch backend's compiled lookups, PyTorch's device-side
+assert on the torch backend on CUDA in eager).
 
 Allowed id dtypes: torch.int64 (long) and torch.int32, the index dtypes
 torch.nn.functional.embedding accepts. ``valid_lens``: None, or an integer or floating tensor

@@ -7,7 +7,8 @@ reads outside a table or wraps a negative id.
 - The Triton kernels (run here in the interpreter through kernels_on_cpu(), as on a GPU): an
   out-of-range id is never dereferenced; that table adds zeros to the row in the forward, and
   the row adds nothing to that table in the backward (atomic and deterministic).
-- Compiled (Inductor, CPU): the graph's own index checks raise; never the wrapped row.
+- Compiled (CPU): the torch backend's lookups guard as the Triton kernels do; the triton and
+  cuda backends' registered ops raise as in eager. Never the wrapped row.
 
 Calls that could read or write out of bounds run in a child process (tests/isolated.py), so a
 crash fails one test instead of the run. Tables sit inside NaN-filled buffers: a read one row
@@ -198,22 +199,38 @@ def test_triton_backward_is_guarded(form, kind, value, deterministic):
 
 
 # ---------------------------------------------------------------------------------------------
-# torch.compile (CPU): the compiled graph raises; it never returns the wrapped row.
+# torch.compile (CPU): never the wrapped row, never an unchecked read.
 
 def _compiled_embedding_sum(tokens, segments, token_weight, segment_weight, pos_weight, positions, backend):
     return emb.embedding_sum(tokens, segments, token_weight, segment_weight, pos_weight, positions=positions,
                              backend=backend, learn_pos_embedding=True)
 
 
-# Found by CI's torch 2.11 run: that Inductor compiles these lookups without a bounds check, so
-# compiled with check_inputs=False an out-of-range id goes unreported there (issue 12, open).
-_INDUCTOR_CHECKS_BOUNDS = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+def compiled_forward_backward(backend, tokens, segments, positions, tables, grad_out):
+    compiled = torch.compile(_compiled_embedding_sum, fullgraph=True, dynamic=False)
+    leaves = [t.detach().clone().requires_grad_() for t in tables]
+    out = compiled(tokens, segments, *leaves, positions, backend)
+    return out.detach(), list(torch.autograd.grad(out, leaves, grad_out))
 
 
-@pytest.mark.skipif(not _INDUCTOR_CHECKS_BOUNDS, reason="torch < 2.13: Inductor does not bounds-check these "
-                    "lookups on the CPU (known gap, issue 12)")
-@pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("torch", "triton")])
-def test_compiled_raises_never_wraps(backend):
+@pytest.mark.parametrize("form,kind,value", CASES, ids=CASE_IDS)
+def test_compiled_torch_backend_guards(form, kind, value):
+    """Compiled, the torch backend's lookups guard as the Triton kernels do (ids are not
+    readable while tracing; Inductor itself asserts on torch 2.13 and does not check on 2.11)."""
+    tokens, segments, positions = ids_with_bad(form, kind, value)
+    tables = guarded_tables()
+    grad_out = torch.randn(*tokens.shape, HIDDEN, generator=torch.Generator().manual_seed(2))
+    expected_out, expected = guarded_reference(tokens, segments, positions, tables, grad_out)
+    out, grads = call_in_child(compiled_forward_backward, "torch", tokens, segments, positions, tables, grad_out)
+    torch.testing.assert_close(out.double(), expected_out, atol=1e-5, rtol=0)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got.reshape(want.shape).double(), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("triton", "cuda")])
+def test_compiled_kernel_backends_raise_on_cpu(backend):
+    """Compiled, the triton and cuda backends call their registered ops, whose CPU kernels
+    check the ids on the host as in eager."""
     compiled = torch.compile(_compiled_embedding_sum, fullgraph=True, dynamic=False)
     tables = guarded_tables()
     tokens, segments, positions = ids_with_bad("packed", "tokens", "negative")

@@ -98,6 +98,16 @@ def _check_id_ranges(tokens, segments, positions, n_tokens, n_segments, max_len)
         _check_id_range("positions", positions, max_len)
 
 
+def _guarded_lookup(ids, table):
+    """``table[ids]`` where an id outside [0, rows) gives a zero row and no gradient: the Triton
+    kernels' guard, written so Inductor can see every address is in range. Compiled, a plain
+    lookup of such an id is Inductor's problem: torch 2.13 asserts (an abort on CUDA), torch
+    2.11 reads outside the table unchecked."""
+    rows = table.shape[0]
+    inside = ((ids >= 0) & (ids < rows)).unsqueeze(-1)
+    return torch.where(inside, F.embedding(ids.clamp(0, rows - 1), table), 0)
+
+
 def _embedding_sum_torch(tokens, segments, token_weight, segment_weight, pos_weight, positions,
                          learn_pos_embedding):
     _check_id_ranges(tokens, segments, positions, token_weight.shape[0], segment_weight.shape[0],
@@ -105,11 +115,12 @@ def _embedding_sum_torch(tokens, segments, token_weight, segment_weight, pos_wei
     # The reference reads the position table through .data, so by default no gradient
     # reaches it; learn_pos_embedding=True is the explicit opt-in.
     pos_table = pos_weight[0] if learn_pos_embedding else pos_weight.detach()[0]
-    if positions is None:
-        pos = pos_table[: tokens.shape[-1]]
-    else:
-        # F.embedding, not index_select: compiled, index_select wraps a negative id (Inductor).
-        pos = F.embedding(positions, pos_table)
+    if torch.compiler.is_compiling():
+        # Ids are not readable while tracing (eager CPU calls raise above); the graph guards.
+        # Fused by Inductor into the gathers: no extra pass.
+        out = _guarded_lookup(tokens, token_weight) + _guarded_lookup(segments, segment_weight)
+        return out + (pos_table[: tokens.shape[-1]] if positions is None else _guarded_lookup(positions, pos_table))
+    pos = pos_table[: tokens.shape[-1]] if positions is None else F.embedding(positions, pos_table)
     # Accumulate in place: the embedding lookups' backward does not need their outputs,
     # so this saves two full-size temporaries without touching autograd.
     out = F.embedding(tokens, token_weight)
@@ -673,8 +684,9 @@ def embedding_sum(tokens, segments, token_weight, segment_weight, pos_weight, *,
       - On the CPU (every backend: F.embedding for torch, the PyTorch CPU kernels for triton,
         the C++ op for cuda), forward and backward raise IndexError naming the ids, the first
         bad id, its flat index and the range [0, rows). The ids are on the host, so this costs
-        no sync. Compiled, the graph's own index checks raise instead (Inductor's
-        "index out of bounds" RuntimeError).
+        no sync. Compiled, the triton and cuda backends' registered ops do the same.
+      - The torch backend compiled (CPU and CUDA, every torch version): guarded lookups, as the
+        Triton kernels below (the ids cannot be read while tracing).
       - The Triton kernels (CUDA) guard: an out-of-range id's table adds zeros to that row in
         the forward (a masked load, from a clamped address), and that row adds nothing to that
         table's gradient in the backward (masked atomics; the deterministic reduction maps such
