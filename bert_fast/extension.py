@@ -164,13 +164,24 @@ def require_extension(tensor):
     if _state["loaded_from"] is not None and (tensor.is_cpu or (tensor.is_cuda and _state["cuda_kernels"])):
         return
     device = tensor.device
-    if not load():
-        raise RuntimeError(f"backend='cuda' needs bert_fast's compiled extension, which is not built: "
-                           f"{load_error()}. Build it with `pip install --no-build-isolation -e .` in the "
-                           f"source checkout, or call bert_fast.build_extension(); or use backend='triton'.")
-    if device.type == "cuda" and not has_cuda_kernels():
-        raise RuntimeError("the loaded bert_fast extension has no CUDA ops (it was built without CUDA). "
-                           "Rebuild it where nvcc and a CUDA build of PyTorch are present "
-                           "(`pip install --no-build-isolation -e .`), or use backend='triton'.")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"the extension's ops run on CPU and CUDA tensors, got a tensor on {device}")
+    problem = _extension_problem(device.type)
+    if problem is not None:
+        raise RuntimeError(problem)
+
+
+@torch.compiler.assume_constant_result
+def _extension_problem(device_type):
+    """Why the extension's ops cannot run on ``device_type``, or None, loading it if needed.
+    A constant for torch.compile: traced (even fullgraph) before anything loaded the extension,
+    Dynamo runs this once instead of tracing load()'s lock and import."""
+    if not load():
+        return (f"backend='cuda' needs bert_fast's compiled extension, which is not built: "
+                f"{load_error()}. Build it with `pip install --no-build-isolation -e .` in the "
+                f"source checkout, or call bert_fast.build_extension(); or use backend='triton'.")
+    if device_type == "cuda" and not has_cuda_kernels():
+        return ("the loaded bert_fast extension has no CUDA ops (it was built without CUDA). "
+                "Rebuild it where nvcc and a CUDA build of PyTorch are present "
+                "(`pip install --no-build-isolation -e .`), or use backend='triton'.")
+    return None

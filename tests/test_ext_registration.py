@@ -14,6 +14,7 @@ from bert_fast import FastBERTEncoder, extension
 from bert_fast.ops.add_layernorm import add_layernorm, add_layernorm_fwd
 from bert_fast.ops.embedding import embedding_sum
 from tests.helpers import assert_close, encoder_config, encoder_pair, random_inputs, seed_tensor
+from tests.isolated import ChildRunner
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -147,3 +148,33 @@ def test_skip_padding_on_the_cuda_backend_matches_the_torch_backend():
     on_ext.load_state_dict(on_torch.state_dict())
     tokens, segments = random_inputs(3, 10, 50)
     assert_same_results(on_ext, on_torch, (tokens, segments, torch.tensor([4, 10, 1])), atol=1e-5)
+
+
+def compile_before_the_extension_loads(simulate_missing):
+    """In a fresh process (nothing has loaded the extension yet): a fullgraph-compiled call of
+    a cuda-backend op. Returns (the loaded extension's origin, the max error vs the torch backend)."""
+    assert extension.loaded_from() is None, "the child must start without the extension loaded"
+    if simulate_missing:
+        extension.load = lambda: False
+        extension._state["error"] = "simulated: not built"
+    tokens, segments = torch.randint(0, 6, (2, 5)), torch.randint(0, 2, (2, 5))
+    tables = torch.randn(6, 16), torch.randn(2, 16), torch.randn(1, 8, 16)
+    compiled = torch.compile(lambda *a: embedding_sum(*a, backend="cuda"), fullgraph=True)
+    error = (compiled(tokens, segments, *tables) - embedding_sum(tokens, segments, *tables)).abs().max()
+    return extension.loaded_from(), float(error)
+
+
+def test_fullgraph_compile_loads_the_extension_on_first_use():
+    """Tracing the first op call must not trace load()'s lock and import (a fullgraph error);
+    without a built extension, the compiled call gives load()'s clear error."""
+    for simulate_missing in (False, True):
+        runner = ChildRunner()      # a fresh process per case: nothing loaded yet
+        try:
+            if simulate_missing:
+                with pytest.raises(RuntimeError, match="needs bert_fast's compiled extension.*simulated: not built"):
+                    runner.call(compile_before_the_extension_loads, True)
+            else:
+                origin, error = runner.call(compile_before_the_extension_loads, False)
+                assert origin is not None and error == 0.0
+        finally:
+            runner.close()
