@@ -27,6 +27,7 @@ import re
 import shlex
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional
@@ -159,8 +160,9 @@ def max_error(output, reference_output, valid_lens=None):
 def first_call(method, inputs, device):
     """Call a method once (the call that compiles) → (output, seconds, skip_reason).
 
-    A failure of a ``may_fail`` method gives ``(None, seconds, one-line reason)``; any other
-    failure propagates.
+    A failure of a ``may_fail`` method gives ``(None, seconds, one-line reason)``, its whole
+    traceback on stderr (the one line is all a table cell holds; a failure seen on a lent GPU
+    must be diagnosable from the log); any other failure propagates.
     """
     start = time.perf_counter()
     try:
@@ -169,6 +171,8 @@ def first_call(method, inputs, device):
     except Exception as error:
         if not method.may_fail:
             raise
+        print(f"bench: {method.name} failed on its first call:", file=sys.stderr)
+        traceback.print_exception(error, file=sys.stderr)
         return None, time.perf_counter() - start, failure_reason(error)
     return output, time.perf_counter() - start, None
 

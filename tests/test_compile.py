@@ -5,7 +5,7 @@ import torch
 
 from bert_fast.backend import available_backends
 
-from tests.helpers import assert_close, encoder_config, encoder_pair, random_inputs
+from tests.helpers import assert_close, encoder_config, encoder_pair, needs_cuda, random_inputs
 
 
 def assert_same_gradients(fast, compiled, tokens, segments, valid_lens):
@@ -174,3 +174,39 @@ def test_skip_padding_compile_does_not_recompile_per_token_count(capture_scalars
         assert graphs == [1] * 4, graphs
     else:
         assert graphs[1] == graphs[2] == graphs[3], graphs
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU: every backend compiled, default mode and mode="reduce-overhead" (CUDA graphs).
+GPU_BACKENDS = [b for b in available_backends() if b in ("torch", "triton", "cuda")]
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_compiled_modes_match_eager(backend, mode):
+    """Inference: the compiled module's outputs equal eager's over several calls (reduce-overhead
+    records a CUDA graph, then replays it; each call's inputs differ). Training (default mode):
+    the same parameter gradients. The H100 run of 2026-11-23 saw reduce-overhead fail with an
+    InductorError from a compile subprocess: this test shows the whole message."""
+    torch._dynamo.reset()
+    _, fast = encoder_pair(encoder_config(num_layers=2), backend=backend)
+    fast = fast.cuda()
+    compiled = torch.compile(fast, mode=mode, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        for seed in range(4):
+            torch.manual_seed(seed)
+            tokens, segments = (t.cuda() for t in random_inputs(3, 40, 50))
+            valid_lens = torch.tensor([40, 0, 17], device="cuda")
+            got = compiled(tokens, segments, valid_lens).clone()
+            assert_close(got, fast(tokens, segments, valid_lens), atol=1e-4, what=f"call {seed}")
+    if mode == "default":
+        fast.train()
+        grads = []
+        for model in (fast, compiled):
+            fast.zero_grad(set_to_none=True)
+            model(tokens, segments, valid_lens).square().mean().backward()
+            grads.append({name: p.grad.clone() for name, p in fast.named_parameters() if p.grad is not None})
+        assert grads[0].keys() == grads[1].keys() and grads[0]
+        for name, grad in grads[0].items():
+            assert_close(grads[1][name], grad, atol=1e-4, rtol=1e-3, what=f"grad {name}")
