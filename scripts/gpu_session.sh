@@ -18,6 +18,7 @@ mkdir -p "$results"
 host=$(python -c "import torch, re; print(re.sub(r'[^a-z0-9]+', '-', torch.cuda.get_device_name().lower()).strip('-'))" 2>/dev/null || echo gpu)
 stamp="$host-$(date +%F)"
 export PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}   # one cache for every step and worker
 failures=0
 
 run() {     # run NAME COMMAND...: the command's output to the terminal and to $results/NAME.log
@@ -40,19 +41,32 @@ for step in "$@"; do
         run install env MAX_JOBS=$(nproc) pip install --no-build-isolation --no-deps -e .
         run info python -m bert_fast.info --require-extension ;;
     tests)
-        # Every test, the GPU-only ones included; the slowest listed to plan the next session.
-        run tests python -m pytest -q -p no:cacheprovider --durations=20 tests ;;
+        # Every test, the GPU-only ones included, in parallel where pytest-xdist is installed
+        # (GPU_TEST_WORKERS, default 8: the 2026-11-23 H100 run's 15 workers mostly waited on
+        # Triton compiles and crashed workers, both fixed since). Calls that can crash run in a
+        # child process (tests/isolated.py), so a crash fails one test, not a worker. One Triton
+        # cache for all workers and the later steps. The junit XML keeps every test's time.
+        parallel=()
+        python -c "import xdist" 2>/dev/null && parallel=(-n "${GPU_TEST_WORKERS:-8}")
+        run tests python -m pytest -q -p no:cacheprovider "${parallel[@]}" --durations=30 \
+            --junitxml "$results/$stamp-tests.xml" tests ;;
     sanitize)
-        # Memory errors and shared-memory races: the CUDA extension on shapes that cover each
-        # kernel variant (warp and block per row, vector and scalar paths, dropout), and the
-        # Triton kernels' own tests (padded and varlen attention, dropout, every op).
+        # Memory errors and shared-memory races in every kernel: the CUDA extension on shapes
+        # that cover each kernel variant (warp and block per row, vector and scalar paths,
+        # dropout), and the Triton kernels' own tests (padded and varlen attention, dropout,
+        # every op, forward and backward; not opcheck/gradcheck/compile, which rerun the same
+        # kernels many times). PyTorch's caching allocator hands out slices of larger blocks, so
+        # an overrun inside a block is invisible to memcheck: caching is off here.
         for tool in memcheck racecheck; do
-            run "sanitize-ext-$tool" compute-sanitizer --tool "$tool" --error-exitcode 99 \
+            run "sanitize-ext-$tool" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+                compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 99 \
                 python -m pytest -q -x -p no:cacheprovider tests/test_ext_cuda.py \
                 -k "768 or 4096 or misaligned or dropout or empty"
-            run "sanitize-triton-$tool" compute-sanitizer --tool "$tool" --error-exitcode 99 \
+            run "sanitize-triton-$tool" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+                compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 99 \
                 python -m pytest -q -x -p no:cacheprovider tests/test_attention_triton.py \
-                tests/test_add_layernorm_triton.py tests/test_embedding_triton.py tests/test_bias_act_triton.py
+                tests/test_add_layernorm_triton.py tests/test_embedding_triton.py tests/test_bias_act_triton.py \
+                tests/test_id_guards.py -k "not opcheck and not gradcheck and not compile"
         done ;;
     kernels)
         run kernels python -m bert_fast.kernel_bench --json "$results/$stamp-kernels.json" ;;
