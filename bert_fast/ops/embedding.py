@@ -130,15 +130,14 @@ def _embedding_sum_torch(tokens, segments, token_weight, segment_weight, pos_wei
 
 
 @triton.jit
-def _embedding_sum_fwd_kernel(out_ptr, token_ids_ptr, segment_ids_ptr, position_ids_ptr,
-                              token_weight_ptr, segment_weight_ptr, pos_weight_ptr,
-                              n_rows, seq_len, hidden, n_tokens, n_segments, max_len,
-                              token_row_stride, token_col_stride, segment_row_stride,
-                              segment_col_stride, pos_row_stride, pos_col_stride,
-                              HAS_POSITIONS: tl.constexpr, BLOCK_T: tl.constexpr,
-                              BLOCK_H: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_H)
+def _embedding_rows(rows, cols, token_ids_ptr, segment_ids_ptr, position_ids_ptr,
+                    token_weight_ptr, segment_weight_ptr, pos_weight_ptr,
+                    n_rows, seq_len, hidden, n_tokens, n_segments, max_len,
+                    token_row_stride, token_col_stride, segment_row_stride,
+                    segment_col_stride, pos_row_stride, pos_col_stride,
+                    HAS_POSITIONS: tl.constexpr):
+    """The (rows, cols) tile of token + segment + position rows, summed in fp32 (zeros outside
+    the tile). Shared by this op's forward and embedding_layernorm's, which normalises the tile."""
     row_in = rows < n_rows
     mask = row_in[:, None] & (cols < hidden)[None, :]
     token_ids = tl.load(token_ids_ptr + rows, mask=row_in, other=0).to(tl.int64)
@@ -164,6 +163,25 @@ def _embedding_sum_fwd_kernel(out_ptr, token_ids_ptr, segment_ids_ptr, position_
     acc += tl.load(pos_weight_ptr + position_ids[:, None] * pos_row_stride
                    + cols[None, :] * pos_col_stride, mask=mask & position_in[:, None],
                    other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _embedding_sum_fwd_kernel(out_ptr, token_ids_ptr, segment_ids_ptr, position_ids_ptr,
+                              token_weight_ptr, segment_weight_ptr, pos_weight_ptr,
+                              n_rows, seq_len, hidden, n_tokens, n_segments, max_len,
+                              token_row_stride, token_col_stride, segment_row_stride,
+                              segment_col_stride, pos_row_stride, pos_col_stride,
+                              HAS_POSITIONS: tl.constexpr, BLOCK_T: tl.constexpr,
+                              BLOCK_H: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_H)
+    acc = _embedding_rows(rows, cols, token_ids_ptr, segment_ids_ptr, position_ids_ptr,
+                          token_weight_ptr, segment_weight_ptr, pos_weight_ptr,
+                          n_rows, seq_len, hidden, n_tokens, n_segments, max_len,
+                          token_row_stride, token_col_stride, segment_row_stride,
+                          segment_col_stride, pos_row_stride, pos_col_stride, HAS_POSITIONS)
+    mask = (rows < n_rows)[:, None] & (cols < hidden)[None, :]
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=mask)
 
