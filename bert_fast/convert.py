@@ -7,6 +7,7 @@ keeps working). A variant we cannot run exactly is left as it is, with a warning
 """
 
 import contextlib
+import sys
 import warnings
 
 import torch
@@ -139,6 +140,31 @@ def _convert_encoder(enc, backend, skip_padding, cuda_graphs):
     return fast
 
 
+def _hf_bert(module):
+    """bert_fast.hf when ``module`` is a transformers BertModel (or a subclass), else None.
+    Imports nothing unless transformers is loaded already (a BertModel cannot exist otherwise)."""
+    if "transformers" not in sys.modules or not any(
+            cls.__name__ == "BertModel" and cls.__module__.startswith("transformers.") for cls in type(module).__mro__):
+        return None
+    from . import hf
+    return hf
+
+
+def _convert_hf(hf, module, backend, encoder_options, path):
+    skip_padding, cuda_graphs = encoder_options
+    name = f"{path or 'model'} ({type(module).__name__})"
+    try:
+        hf.convert(module, backend, skip_padding)
+    except hf.Unsupported as why:
+        warnings.warn(f"bert_fast.optimize: {name} is a Hugging Face BertModel but was left untouched: "
+                      f"unsupported {why}", stacklevel=4)
+        return module
+    if cuda_graphs:
+        warnings.warn(f"bert_fast.optimize: {name}: cuda_graphs=True is not supported for Hugging Face "
+                      "models yet; it runs eagerly", stacklevel=4)
+    return module
+
+
 def _swap(module, backend, encoder_options, path, done=None):
     """Return the replacement for ``module`` (or ``module`` itself, its children swapped).
     ``done``: id -> replacement of the modules already visited: each module is visited once
@@ -147,6 +173,9 @@ def _swap(module, backend, encoder_options, path, done=None):
     if id(module) in done:
         return done[id(module)]
     done[id(module)] = module       # while its children are visited: a cycle back to it stops here
+    hf = _hf_bert(module)
+    if hf is not None:              # converted in place (bert_fast.hf), children included
+        return _convert_hf(hf, module, backend, encoder_options, path)
     for converter, looks_like, kind in ((_convert_encoder, _looks_like_encoder, "BERTEncoder"),
                                         (_convert_block, _looks_like_block, "EncoderBlock")):
         if isinstance(module, (FastBERTEncoder, FastEncoderBlock)) or not looks_like(module):
@@ -166,7 +195,8 @@ def _swap(module, backend, encoder_options, path, done=None):
 
 
 def optimize(model, backend=None, *, skip_padding=False, cuda_graphs=False):
-    """Swap every reference-style BERTEncoder / EncoderBlock in ``model`` for a fast one.
+    """Swap every reference-style BERTEncoder / EncoderBlock in ``model`` for a fast one, and
+    give every Hugging Face ``BertModel`` in it the fast path in place (bert_fast.hf).
 
     Parameters are shared, not copied: the fast modules hold the very same Parameter objects
     (W_q, W_k and W_v of each block move into one buffer in place, see

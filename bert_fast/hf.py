@@ -1,0 +1,467 @@
+"""Hugging Face BERT on bert_fast's ops: what ``bert_fast.optimize()`` does to a transformers
+``BertModel`` (alone, inside a ``BertFor*`` head, or inside anything that holds one, such as a
+sentence-transformers ``Transformer``).
+
+The swap changes the class of the BertModel, of its BertEmbeddings and of each BertLayer, in
+place, to the subclasses below. Nothing is copied or rebuilt: every submodule, Parameter, buffer
+and hook stays the same object, so the state_dict (keys and values), an optimizer made before
+the swap, ``.to()`` and ``load_state_dict`` all carry over, and the HF code of the base classes
+is still there for what the fast path does not do. ``restore(model)`` swaps the classes back.
+
+The fast forward (FastBertModel.forward), for the calls encoders get (input_ids, a 2-D 0/1
+attention_mask, token_type_ids, position_ids, output_hidden_states, return_dict):
+
+  embeddings  ops.embedding_layernorm (token + token type + position rows and the LayerNorm in
+              one pass on CUDA), then the embeddings' dropout.
+  mask        the 2-D attention_mask (nonzero = attend, as HF reads it) becomes 1-D valid_lens,
+              prepared once for all layers (ops.prepare_key_mask). A prefix mask (what a
+              tokenizer pads) is used as it is. Any other mask: each sequence is permuted so its
+              attended tokens come first (a stable sort, so their order is kept), the layers run
+              on that order with the prefix lengths, and the output is permuted back. That is
+              exact: attention is invariant to the order of its keys, every other op of a layer
+              works per token, and the positions were added by the embeddings before the
+              permutation. On CPU tensors the mask is inspected on the host (free) and only a
+              non-prefix mask is permuted; on other devices the permutation always runs (the
+              identity for a prefix mask) rather than syncing with the host to decide.
+  layers      per layer: one QKV GEMM on the packed projection (W_q/W_k/W_v kept back to back,
+              as FastMultiHeadAttention does), ops.packed_self_attention, ops.add_layernorm,
+              ops.linear_act (GELU erf, GELU tanh or ReLU from the config), ops.add_layernorm;
+              LayerNorm eps and dropout rates read from the modules.
+  pooler      HF's own module.
+
+Differences from HF: a sequence whose attention_mask is all zeros attends uniformly to all of
+its keys (the book's rule, and what HF's eager attention gives; HF's sdpa path gives another
+value there). With ``skip_padding=True`` only attended tokens are computed and the output is
+zeros at the others (HF computes values there), as in FastBERTEncoder.
+
+Anything else (inputs_embeds, output_attentions, head_mask, past_key_values, cross-attention
+inputs, 3-D/4-D masks, gradient checkpointing in training, unknown keyword arguments) runs HF's
+own forward on the same modules, with one HFFallbackWarning per model and reason. Models the
+fast path cannot express (decoder or cross-attention configs, relative position embeddings,
+activations other than GELU/ReLU, subclasses of the HF classes, ...) are left untouched with a
+warning by optimize().
+"""
+
+import warnings
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
+from transformers.models.bert.modeling_bert import BertEmbeddings, BertLayer, BertModel
+
+from . import ops
+from .backend import backend_of, resolve_backend
+from .modules import _back_to_back_view, _linear, _packable, _QKVPacking
+from .ops.embedding_layernorm import embedding_layernorm
+
+
+class HFFallbackWarning(UserWarning):
+    """An optimized HF model ran a call on HF's own code (once per model and reason)."""
+
+
+class Unsupported(ValueError):
+    """A model optimize() cannot run exactly; it warns with this message and leaves the model as is."""
+
+
+def _require(condition, why):
+    if not condition:
+        raise Unsupported(why)
+
+
+# ----------------------------------------------------------------------------------------------
+# What the fast path accepts (checked once, by optimize())
+# ----------------------------------------------------------------------------------------------
+
+_TANH_GELUS = ("NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActivation")
+
+
+def _activation_of(fn):
+    """The ops' activation name for a BertIntermediate's ``intermediate_act_fn``."""
+    name = type(fn).__name__
+    if isinstance(fn, nn.ReLU):
+        return "relu"
+    if isinstance(fn, nn.GELU):
+        return "gelu" if fn.approximate == "none" else "gelu_tanh"
+    if name == "GELUActivation":      # HF's "gelu" and "gelu_python": both the erf form
+        return "gelu"
+    if name in _TANH_GELUS:           # HF's tanh approximations ("gelu_new", "gelu_pytorch_tanh", ...)
+        return "gelu_tanh"
+    raise Unsupported(f"activation {name} (supported: GELU, its tanh approximation, ReLU)")
+
+
+def _check_embedding_table(name, emb, hidden):
+    _require(type(emb) is nn.Embedding, f"{name} is {type(emb).__name__}, not nn.Embedding")
+    _require(emb.embedding_dim == hidden, f"{name} width {emb.embedding_dim} differs from hidden_size {hidden}")
+    _require(emb.max_norm is None and not emb.scale_grad_by_freq and not emb.sparse,
+             f"{name} with max_norm, scale_grad_by_freq or sparse gradients")
+
+
+def _check_layer_norm(name, ln, hidden):
+    _require(type(ln) is nn.LayerNorm and tuple(ln.normalized_shape) == (hidden,),
+             f"{name} is not a LayerNorm over the {hidden} hidden features")
+
+
+def _check_embeddings(emb, hidden):
+    _require(type(emb) in (BertEmbeddings, FastBertEmbeddings), f"embeddings of class {type(emb).__name__}")
+    for name in ("word_embeddings", "position_embeddings", "token_type_embeddings"):
+        _check_embedding_table(name, getattr(emb, name, None), hidden)
+    _require(emb.position_embeddings.padding_idx is None and emb.token_type_embeddings.padding_idx is None,
+             "a padding_idx on the position or token type table")
+    _check_layer_norm("embeddings.LayerNorm", getattr(emb, "LayerNorm", None), hidden)
+    _require(isinstance(getattr(emb, "dropout", None), nn.Dropout), "embeddings without a Dropout")
+    _require(getattr(emb, "position_embedding_type", "absolute") == "absolute",
+             f"position_embedding_type {getattr(emb, 'position_embedding_type', None)!r} (only 'absolute')")
+
+
+def _check_layer(layer, index, hidden):
+    where = f"encoder.layer.{index}"
+    _require(type(layer) in (BertLayer, FastBertLayer), f"{where} of class {type(layer).__name__}")
+    _require(not getattr(layer, "add_cross_attention", False) and not getattr(layer, "is_decoder", False),
+             f"{where}: decoder / cross-attention layer")
+    _require(not getattr(layer.attention, "is_cross_attention", False), f"{where}: cross-attention")
+    attn = layer.attention.self
+    _require(type(attn).__name__ == "BertSelfAttention", f"{where}.attention.self of class {type(attn).__name__}")
+    _require(getattr(attn, "position_embedding_type", "absolute") == "absolute",
+             f"{where}: position_embedding_type {getattr(attn, 'position_embedding_type', None)!r}")
+    _require(not getattr(attn, "is_causal", False), f"{where}: causal self-attention")
+    heads = attn.num_attention_heads
+    _require(heads * attn.attention_head_size == hidden, f"{where}: {heads} heads of size "
+             f"{attn.attention_head_size} do not make hidden_size {hidden}")
+    scaling = getattr(attn, "scaling", attn.attention_head_size ** -0.5)
+    _require(abs(scaling - attn.attention_head_size ** -0.5) < 1e-12,
+             f"{where}: attention scaling {scaling} (ours is 1/sqrt(head size))")
+    for name in ("query", "key", "value"):
+        proj = getattr(attn, name)
+        _require(getattr(proj, "out_features", hidden) == hidden, f"{where}.{name} does not produce {hidden} features")
+    _check_layer_norm(f"{where}.attention.output.LayerNorm", layer.attention.output.LayerNorm, hidden)
+    _check_layer_norm(f"{where}.output.LayerNorm", layer.output.LayerNorm, hidden)
+    _activation_of(layer.intermediate.intermediate_act_fn)
+
+
+def check_supported(model):
+    """Raise Unsupported (saying why) unless the fast path computes ``model`` (a BertModel) exactly."""
+    _require(type(model) in (BertModel, FastBertModel), f"class {type(model).__name__} (a subclass may have "
+             "its own forward; only transformers' BertModel itself is swapped)")
+    config = model.config
+    _require(not getattr(config, "is_decoder", False), "config.is_decoder (causal self-attention)")
+    _require(not getattr(config, "add_cross_attention", False), "config.add_cross_attention")
+    position_type = getattr(config, "position_embedding_type", "absolute")
+    _require(position_type == "absolute", f"position_embedding_type {position_type!r} (only 'absolute')")
+    hidden = config.hidden_size
+    _check_embeddings(model.embeddings, hidden)
+    layers = getattr(model.encoder, "layer", None)
+    _require(isinstance(layers, nn.ModuleList) and len(layers) > 0, "encoder without a layer ModuleList")
+    for i, layer in enumerate(layers):
+        _check_layer(layer, i, hidden)
+
+
+# ----------------------------------------------------------------------------------------------
+# The fast modules: subclasses of HF's, given to the existing objects by optimize()
+# ----------------------------------------------------------------------------------------------
+
+class FastBertEmbeddings(BertEmbeddings):
+    """BertEmbeddings through ops.embedding_layernorm (the HF math; past_key_values_length != 0
+    and inputs_embeds take HF's forward)."""
+
+    bert_fast_backend = "auto"
+
+    def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+                past_key_values_length=0):
+        if input_ids is None or inputs_embeds is not None or past_key_values_length:
+            return super().forward(input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length)
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
+        batch, seqlen = input_ids.shape
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        elif token_type_ids.shape != input_ids.shape:
+            token_type_ids = token_type_ids.expand(batch, seqlen)
+        if position_ids is not None and position_ids.dim() == 1:
+            position_ids = position_ids[None]
+        if position_ids is None and seqlen > self.position_embeddings.num_embeddings:
+            raise ValueError(f"sequence length {seqlen} exceeds max_position_embeddings "
+                             f"{self.position_embeddings.num_embeddings}")
+        sub = self._modules
+        word, ln = sub["word_embeddings"], sub["LayerNorm"]
+        out = embedding_layernorm(input_ids, token_type_ids, word.weight, sub["token_type_embeddings"].weight,
+                                  sub["position_embeddings"].weight, ln.weight, ln.bias, ln.eps,
+                                  positions=position_ids, padding_idx=word.padding_idx,
+                                  backend=backend_of(self.bert_fast_backend, input_ids))
+        return sub["dropout"](out)
+
+
+class FusedAttentionMask:
+    """What FastBertModel hands its layers instead of HF's 4-D mask: the key mask prepared once
+    (ops.KeyMask, or None for no masking) and, with skip_padding, the unpadding. A layer given
+    one runs the fused path; given anything else, HF's forward."""
+
+    __slots__ = ("key_mask", "unpadding", "valid_lens")
+
+    def __init__(self, key_mask, unpadding=None, valid_lens=None):
+        self.key_mask, self.unpadding, self.valid_lens = key_mask, unpadding, valid_lens
+
+
+_ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class FastBertLayer(BertLayer):
+    """BertLayer with a fused forward, taken when FastBertModel passes a FusedAttentionMask (HF
+    callers get HF's forward: its mask, cache and cross-attention arguments mean HF code)."""
+
+    bert_fast_backend = "auto"
+
+    def forward(self, hidden_states, attention_mask=None, *args, **kwargs):
+        if isinstance(attention_mask, FusedAttentionMask):
+            return self.fused_forward(hidden_states, attention_mask)
+        return super().forward(hidden_states, attention_mask, *args, **kwargs)
+
+    def _apply(self, fn, recurse=True):
+        # .to(), .cuda(), .half() give each Parameter a new tensor: put Q, K, V back to back again.
+        super()._apply(fn, recurse)
+        self.pack_qkv_()
+        return self
+
+    @torch.no_grad()
+    def pack_qkv_(self):
+        """Keep query/key/value's weights (and biases) back to back in one buffer, in place, so
+        inference reads the packed projection without concatenating it (see
+        FastMultiHeadAttention.pack_qkv_: same Parameter objects, same state_dict)."""
+        attn = self.attention.self
+        linears = [attn.query, attn.key, attn.value]
+        if not all(type(m) is nn.Linear for m in linears):
+            return self          # e.g. LoRA wrappers: projected one by one
+        for name in ("weight", "bias"):
+            params = [getattr(m, name) for m in linears]
+            if any(p is None for p in params) or not _packable(params) or _back_to_back_view(params) is not None:
+                continue
+            with torch.inference_mode(False):
+                buffer = torch.cat([p.detach() for p in params])
+            for param, part in zip(params, buffer.split([p.shape[0] for p in params])):
+                param.data = part
+        return self
+
+    def _qkv(self, X):
+        """The (…, 3H) packed Q/K/V projection of X."""
+        attn = self.attention.self
+        linears = (attn.query, attn.key, attn.value)
+        if not all(type(m) is nn.Linear for m in linears):
+            return torch.cat([_linear(m, X) for m in linears], dim=-1)
+        weights = tuple(m.weight for m in linears)
+        biases = tuple(m.bias for m in linears if m.bias is not None)
+        params = weights + biases
+        training = torch.is_grad_enabled() and any(p.requires_grad for p in params)
+        if not training and not torch.compiler.is_compiling() and len(biases) in (0, 3):
+            packing = _QKVPacking.of(params)
+            if packing is not None:
+                return F.linear(X, packing.weight, packing.bias)
+        weight = torch.cat(weights)
+        if len(biases) == 3:
+            bias = torch.cat(biases)
+        elif biases:      # some but not all projections have a bias
+            bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
+        else:
+            bias = None
+        return F.linear(X, weight, bias)
+
+    def fused_forward(self, X, mask):
+        """The layer on (B, L, H) hidden states (or (N, H) packed ones with skip_padding)."""
+        backend = backend_of(self.bert_fast_backend, X)
+        attention, intermediate, output = self.attention, self.intermediate, self.output
+        attn, attn_out = attention.self, attention.output
+        training = self.training
+        qkv = self._qkv(X)
+        attn_dropout = attn.dropout.p if training else 0.0
+        if mask.unpadding is None:
+            context = ops.packed_self_attention(qkv, attn.num_attention_heads, mask.key_mask, attn_dropout,
+                                                backend=backend)
+        else:
+            context = ops.unpadded_self_attention(qkv, attn.num_attention_heads, mask.unpadding, mask.valid_lens,
+                                                  attn_dropout, backend=backend)
+        ln = attn_out.LayerNorm
+        Y = ops.add_layernorm(_linear(attn_out.dense, context), X, ln.weight, ln.bias, ln.eps,
+                              attn_out.dropout.p, training, backend=backend)
+        activation = _activation_of(intermediate.intermediate_act_fn)
+        dense = intermediate.dense
+        if type(dense) is nn.Linear:
+            hidden = ops.linear_act(Y, dense.weight, dense.bias, activation, backend=backend)
+        else:
+            hidden = _ACTIVATIONS[activation](dense(Y))
+        ln = output.LayerNorm
+        return ops.add_layernorm(_linear(output.dense, hidden), Y, ln.weight, ln.bias, ln.eps, output.dropout.p,
+                                 training, backend=backend)
+
+
+# Keyword arguments of BertModel.forward the fast path takes when they have these values
+# (None = HF's default); any other value of one of them, or any other argument, runs HF's forward.
+_NEUTRAL = {"inputs_embeds": (None,), "head_mask": (None,), "encoder_hidden_states": (None,),
+            "encoder_attention_mask": (None,), "past_key_values": (None,), "use_cache": (None, False),
+            "output_attentions": (None, False)}
+_HANDLED = ("output_hidden_states", "return_dict")
+
+
+def _prefix_lengths_on_host(keep):
+    """For a CPU (B, L) bool mask: (valid_lens, is_prefix, all_attend), read on the host."""
+    valid_lens = keep.sum(dim=-1)
+    seqlen = keep.shape[-1]
+    prefix = bool(torch.equal(keep, torch.arange(seqlen)[None, :] < valid_lens[:, None]))
+    return valid_lens, prefix, bool((valid_lens == seqlen).all())
+
+
+class FastBertModel(BertModel):
+    """transformers' BertModel with bert_fast's forward (see the module docstring).
+
+    ``bert_fast_backend`` and ``bert_fast_skip_padding`` (attributes, set by optimize()) choose
+    the ops' backend and whether only attended tokens are computed.
+    """
+
+    bert_fast_backend = "auto"
+    bert_fast_skip_padding = False
+
+    def _fallback_reason(self, args, kwargs, attention_mask):
+        if any(a is not None for a in args):
+            return "positional arguments after position_ids"
+        for name, value in kwargs.items():
+            if name in _NEUTRAL:
+                if not any(value is v for v in _NEUTRAL[name]):
+                    return f"{name}={type(value).__name__ if isinstance(value, torch.Tensor) else value!r}"
+            elif name not in _HANDLED and value is not None:
+                return f"argument {name!r}"
+        if kwargs.get("output_attentions") is None and getattr(self.config, "output_attentions", False):
+            return "config.output_attentions"
+        if attention_mask is not None and attention_mask.dim() != 2:
+            return f"a {attention_mask.dim()}-D attention_mask (only 2-D key padding masks are fused)"
+        if self.training and any(getattr(layer, "gradient_checkpointing", False) for layer in self.encoder.layer):
+            return "gradient checkpointing"
+        if not (type(self.embeddings) is FastBertEmbeddings
+                and all(type(layer) is FastBertLayer for layer in self.encoder.layer)):
+            return "embeddings or layers replaced since optimize()"
+        return None
+
+    def _warn_fallback(self, reason):
+        warned = self.__dict__.setdefault("_bert_fast_warned", set())
+        if reason not in warned:
+            warned.add(reason)
+            warnings.warn(f"bert_fast: this optimized {type(self).__name__} runs HF's own forward for calls with "
+                          f"{reason} (the fused path does not support it); results are HF's", HFFallbackWarning,
+                          stacklevel=3)
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, *args, **kwargs):
+        reason = self._fallback_reason(args, kwargs, attention_mask)
+        if reason is None and input_ids is None:
+            reason = "no input_ids"
+        if reason is not None:
+            self._warn_fallback(reason)
+            return super().forward(input_ids, attention_mask, token_type_ids, position_ids, *args, **kwargs)
+        return self._fast_forward(input_ids, attention_mask, token_type_ids, position_ids,
+                                  kwargs.get("output_hidden_states"), kwargs.get("return_dict"))
+
+    def _fast_forward(self, input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states,
+                      return_dict):
+        config = self.config
+        if output_hidden_states is None:
+            output_hidden_states = getattr(config, "output_hidden_states", False)
+        if return_dict is None:
+            # What HF's use_return_dict means (that property itself is deprecated in transformers 5).
+            return_dict = getattr(config, "return_dict", True) and not getattr(config, "torchscript", False)
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be a (batch, seq_len) tensor, got "
+                             f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)}")
+        batch, seqlen = input_ids.shape
+        if attention_mask is not None and tuple(attention_mask.shape) != (batch, seqlen):
+            raise ValueError(f"attention_mask must have the shape of input_ids {(batch, seqlen)}, "
+                             f"got {tuple(attention_mask.shape)}")
+
+        X = self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
+        all_hidden = [X] if output_hidden_states else None
+        valid_lens, order = self._lengths_and_order(attention_mask, X.device)
+        if order is not None:       # attended tokens first: the mask becomes a prefix (valid_lens)
+            X = X.gather(1, order[..., None].expand(X.shape))
+        backend = backend_of(self.bert_fast_backend, X)
+        unpadding = None
+        if self.bert_fast_skip_padding and valid_lens is not None:
+            unpadding = ops.unpadding_for(valid_lens, seqlen)
+            mask = FusedAttentionMask(None, unpadding, valid_lens)
+            X = ops.unpad(X, unpadding)
+        else:
+            mask = FusedAttentionMask(ops.prepare_key_mask(valid_lens, seqlen, backend, X.dtype))
+
+        def restore_layout(states):
+            if unpadding is not None:
+                states = ops.pad(states, unpadding)
+            if order is not None:
+                states = torch.empty_like(states).scatter_(1, order[..., None].expand(states.shape), states)
+            return states
+
+        for layer in self.encoder.layer:
+            X = layer(X, mask)          # through __call__: hooks and gradient checkpointing as HF
+            if output_hidden_states:
+                all_hidden.append(restore_layout(X))
+        sequence_output = all_hidden[-1] if output_hidden_states else restore_layout(X)
+        pooled_output = self.pooler(sequence_output) if self.pooler is not None else None
+        out = BaseModelOutputWithPoolingAndCrossAttentions(
+            last_hidden_state=sequence_output, pooler_output=pooled_output,
+            hidden_states=tuple(all_hidden) if output_hidden_states else None)
+        return out if return_dict else out.to_tuple()
+
+    def _lengths_and_order(self, attention_mask, device):
+        """(valid_lens (B,) or None, order (B, L) or None): see "mask" in the module docstring."""
+        if attention_mask is None:
+            return None, None
+        keep = attention_mask.to(device=device) != 0
+        if keep.device.type == "cpu" and not torch.compiler.is_compiling():
+            valid_lens, prefix, all_attend = _prefix_lengths_on_host(keep)
+            if all_attend:
+                return None, None
+            if prefix:
+                return valid_lens, None
+        else:
+            valid_lens = keep.sum(dim=-1)
+        # Stable: attended tokens keep their order, and so do the others.
+        order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices
+        return valid_lens, order
+
+    def save_pretrained(self, *args, **kwargs):
+        # HF writes the class name into config.architectures: save as the BertModel it is.
+        self.__class__ = BertModel
+        try:
+            return BertModel.save_pretrained(self, *args, **kwargs)
+        finally:
+            self.__class__ = FastBertModel
+
+
+# ----------------------------------------------------------------------------------------------
+# The swap
+# ----------------------------------------------------------------------------------------------
+
+def is_bert_model(module):
+    return isinstance(module, BertModel)
+
+
+def convert(model, backend=None, skip_padding=False):
+    """Give ``model`` (a transformers BertModel) the fast classes in place; returns it.
+    Raises Unsupported when it cannot run exactly (nothing is changed then)."""
+    check_supported(model)
+    backend = resolve_backend(backend)
+    model.embeddings.__class__ = FastBertEmbeddings
+    model.embeddings.bert_fast_backend = backend
+    for layer in model.encoder.layer:
+        layer.__class__ = FastBertLayer
+        layer.bert_fast_backend = backend
+        layer.pack_qkv_()
+    model.__class__ = FastBertModel
+    model.bert_fast_backend = backend
+    model.bert_fast_skip_padding = bool(skip_padding)
+    return model
+
+
+def restore(model):
+    """Undo optimize() on every FastBertModel in ``model`` (the HF classes back; same objects)."""
+    for module in model.modules():
+        if type(module) is FastBertModel:
+            module.__class__ = BertModel
+        elif type(module) is FastBertEmbeddings:
+            module.__class__ = BertEmbeddings
+        elif type(module) is FastBertLayer:
+            module.__class__ = BertLayer
+    return model
