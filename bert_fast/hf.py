@@ -308,6 +308,11 @@ def _prefix_lengths_on_host(keep):
     return valid_lens, prefix, bool((valid_lens == seqlen).all())
 
 
+def _readable_on_host(tensor):
+    """Whether reading ``tensor`` on the host is free: an eager CPU tensor (no device sync)."""
+    return tensor.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 class FastBertModel(BertModel):
     """transformers' BertModel with bert_fast's forward (see the module docstring).
 
@@ -409,7 +414,7 @@ class FastBertModel(BertModel):
         if attention_mask is None:
             return None, None
         keep = attention_mask.to(device=device) != 0
-        if keep.device.type == "cpu" and not torch.compiler.is_compiling():
+        if _readable_on_host(keep):
             valid_lens, prefix, all_attend = _prefix_lengths_on_host(keep)
             if all_attend:
                 return None, None
@@ -450,9 +455,22 @@ def convert(model, backend=None, skip_padding=False):
         layer.bert_fast_backend = backend
         layer.pack_qkv_()
     model.__class__ = FastBertModel
+    _register_output_capture(model)
     model.bert_fast_backend = backend
     model.bert_fast_skip_padding = bool(skip_padding)
     return model
+
+
+def _register_output_capture(model):
+    """transformers 5 finds what output_attentions/output_hidden_states record (hooks on
+    BertSelfAttention, BertLayer) in a registry keyed by the model's class name, filled when a
+    model is constructed: add FastBertModel's entry, or HF's forward (our fallback) would
+    return attentions=None."""
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:      # transformers 4: outputs are collected by the forward itself
+        return
+    _CAN_RECORD_REGISTRY[model] = model._can_record_outputs
 
 
 def restore(model):
