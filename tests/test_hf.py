@@ -23,6 +23,10 @@ from bert_fast.ops.embedding_layernorm import embedding_layernorm  # noqa: E402
 from tests import minilm  # noqa: E402
 from tests.helpers import assert_close, max_err, needs_kernels  # noqa: E402
 
+# A call that silently took HF's forward would compare HF with itself: fail on any fallback
+# warning, except where a test records them on purpose.
+pytestmark = pytest.mark.filterwarnings("error::bert_fast.hf.HFFallbackWarning")
+
 ATOL = 1e-4        # the fp32 floor of STYLE.md's rule; what issue 14 asks of the real checkpoint
 
 
