@@ -17,6 +17,8 @@ from .backend import backend_of, resolve_backend
 from .checks import (check_dropout, check_encoder_inputs, check_encoder_shapes, check_size,
                      check_valid_lens)
 from .cuda_graph import DEFAULT_MAX_GRAPHS, clear_cuda_graphs, graphed_forward
+from .extension import require_extension
+from .ops._autograd import autocasting, records_grad
 from .reference import AddNorm, BERTModel, MaskLM, NextSentencePred
 
 
@@ -30,12 +32,16 @@ _GLOBAL_HOOKS = tuple(getattr(_nn_module, name, {}) for name in (
 # (what ``self.ln.weight`` returns), not through nn.Module.__getattr__: ~0.5 us a lookup,
 # ~10 lookups a layer, a tenth of the host time of a small forward (`--suite host`).
 
+def _hookless(module):
+    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
+
+
 def _linear(module, x):
     """``module(x)``; for a plain nn.Linear without hooks, F.linear on its Parameters (what its
     forward does, without the ~2 us of host time of a module call). Anything else (a wrapper
     such as a LoRA layer, a module with hooks, a TorchScript trace) is called as a module."""
-    if (type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks
-                                           or module._backward_hooks or module._backward_pre_hooks)
+    if (type(module) is nn.Linear and _hookless(module)
             and not any(_GLOBAL_HOOKS) and not torch._C._get_tracing_state()):
         params = module._parameters
         return F.linear(x, params["weight"], params["bias"])
@@ -292,8 +298,54 @@ class FastEncoderBlock(nn.Module):
                 raise ValueError(f"X must have shape (batch, seq_len, num_hiddens), got {tuple(shape)}")
             check_valid_lens(valid_lens, shape[0], shape[1])
         sub = self._modules
+        if unpadding is None:
+            fused = self._fused_layer(X, valid_lens)
+            if fused is not None:
+                return fused
         Y = sub["addnorm1"](X, sub["attention"](X, X, X, valid_lens, unpadding=unpadding))
         return sub["addnorm2"](Y, sub["ffn"](Y))
+
+    def _fused_layer(self, X, valid_lens):
+        """The whole layer as one autograd node (ops.encoder_layer) where it applies: eager
+        training on the triton/cuda backends with the block's own plain submodules; else None."""
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling() or X.dim() != 3:
+            return None
+        backend = backend_of(self._modules["attention"].backend, X)
+        if backend == "torch" or autocasting() or any(_GLOBAL_HOOKS) or torch._C._get_tracing_state():
+            return None
+        sub = self._modules
+        attention, addnorm1, ffn, addnorm2 = sub["attention"], sub["addnorm1"], sub["ffn"], sub["addnorm2"]
+        if not (type(attention) is FastMultiHeadAttention and type(addnorm1) is FastAddNorm
+                and type(ffn) is FastPositionWiseFFN and type(addnorm2) is FastAddNorm):
+            return None
+        a, f = attention._modules, ffn._modules
+        linears = (a["W_q"], a["W_k"], a["W_v"], a["W_o"], f["dense1"], f["dense2"])
+        norms = (addnorm1._modules["ln"], addnorm2._modules["ln"])
+        dropouts = (a["dropout"], addnorm1._modules["dropout"], addnorm2._modules["dropout"])
+        if not (all(type(m) is nn.Linear and _hookless(m) for m in linears)
+                and all(type(m) is nn.LayerNorm and _hookless(m) for m in norms)
+                and all(_hookless(m) for m in (attention, addnorm1, ffn, addnorm2))
+                and attention.backend == addnorm1.backend == ffn.backend == addnorm2.backend
+                and len({m.p for m in dropouts}) == 1):
+            return None
+        params = [m._parameters for m in linears]
+        ln1, ln2 = (m._parameters for m in norms)
+        flat = (params[0]["weight"], params[1]["weight"], params[2]["weight"],
+                params[0]["bias"], params[1]["bias"], params[2]["bias"], params[3]["weight"], params[3]["bias"],
+                ln1["weight"], ln1["bias"], params[4]["weight"], params[4]["bias"],
+                params[5]["weight"], params[5]["bias"], ln2["weight"], ln2["bias"])
+        if not records_grad(X, *flat):
+            return None
+        spec = ops.LayerSpec(attention.num_heads, float(dropouts[0].p) if self.training else 0.0,
+                             ffn.activation, norms[0].eps, norms[1].eps, backend == "cuda")
+        if spec.extension:
+            require_extension(X)
+        key_mask = ops.prepare_key_mask(valid_lens, X.shape[1], backend, X.dtype)
+        # The QKV weight (and bias) read in place where pack_qkv_ keeps them back to back.
+        packing = attention._qkv_packing
+        qkv_params = flat[:3] + tuple(b for b in flat[3:6] if b is not None)
+        packed = (packing.weight, packing.bias) if packing is not None and packing.holds(qkv_params) else (None, None)
+        return ops.encoder_layer(spec, X, key_mask, flat, packed)
 
 
 class FastBERTEncoder(nn.Module):

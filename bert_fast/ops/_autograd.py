@@ -21,6 +21,11 @@ import torch
 use_registered_op = torch.compiler.is_compiling
 
 
+# Whether autocast is on for any device (torch.is_autocast_enabled() alone is CUDA's); Dynamo
+# traces it.
+autocasting = getattr(torch._C, "_is_any_autocast_enabled", torch.is_autocast_enabled)
+
+
 def records_grad(*tensors):
     """Whether autograd records an op on these tensors (grad mode on and one needs a grad)."""
     if not torch.is_grad_enabled():

@@ -33,7 +33,8 @@ import torch
 from torch.library import triton_op
 from torch.nn import functional as F
 
-from ._autograd import forbid_double_backward, once_differentiable, records_grad, thin_apply, use_registered_op
+from ._autograd import (autocasting, forbid_double_backward, once_differentiable, records_grad, thin_apply,
+                        use_registered_op)
 from ._triton import (as_dtype, as_rows, compute_dtype, cpu_kernel, KERNEL_DTYPES, launch, reduction_programs,
                       require_triton, tl, triton, uses_triton)
 # Shared with add_layernorm: the dtypes the kernels take, the (rows, N) view the launchers
@@ -331,8 +332,6 @@ def bias_act(h, bias, activation="relu"):
 # Bias + ReLU inside the GEMM (see the module docstring); False: GEMM, then the bias_act kernel.
 GEMM_EPILOGUE = True
 
-# Whether autocast is on for any device (torch.is_autocast_enabled() alone is CUDA's).
-_autocasting = getattr(torch._C, "_is_any_autocast_enabled", torch.is_autocast_enabled)
 
 
 def _linear_relu_epilogue(x, weight, bias):
@@ -387,7 +386,7 @@ def linear_act(x, weight, bias, activation="relu", *, backend="torch", gemm_epil
     _check_activation(activation)
     compiling = use_registered_op()
     epilogue = ((GEMM_EPILOGUE if gemm_epilogue is None else gemm_epilogue) and activation == "relu"
-                and bias is not None and not compiling and not _autocasting())
+                and bias is not None and not compiling and not autocasting())
     recorded = records_grad(x, weight, bias)
     if epilogue and not recorded:
         # Nothing records this output, so it may be a view of the 2-D GEMM result.

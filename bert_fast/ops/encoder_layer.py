@@ -1,0 +1,204 @@
+"""One post-norm encoder layer under autograd, eager: a single autograd node.
+
+Training through the per-op path records ~26 autograd nodes a layer (the QKV concatenation,
+each linear's view/transpose/addmm nodes, the attention's split and merge, three Functions)
+and runs each one's bookkeeping in the backward: on the CPU, where the host time is all there is
+at a small shape (``--suite host``), the triton backend's backward took 0.93x the reference's
+and its forward+backward 0.85x. This op runs the same launchers for the whole layer
+
+    qkv = x Wqkv^T + bqkv;  a = attention(qkv);  y = LN1(x + drop(a Wo^T + bo))
+    h = act(y W1^T + b1);   out = LN2(y + drop(h W2^T + b2))
+
+in one ``torch.autograd.Function``, whose backward chains the backward launchers and GEMMs
+with the residual gradients folded into the GEMMs (``addmm(d_residual, d_z, W)``) and the
+packed QKV weight's gradient computed once and handed to W_q, W_k, W_v as three slices (no
+concatenation node). Saved tensors are what the per-op path saves, nothing more.
+
+Where it applies (``applies``): eager, autograd recording, backends triton and cuda, padded
+self-attention (skip_padding keeps the per-op path), no autocast, no functorch transform, and
+the block's submodules the plain fast ones without hooks. torch.compile traces the per-op
+registered ops instead (Inductor fuses across them itself). Attention: the Triton kernels on
+CUDA (and on the CPU with dropout, their twin); on the CPU without dropout PyTorch's fused CPU
+attention (``_scaled_dot_product_flash_attention_for_cpu`` and its backward: what SDPA runs).
+"""
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .add_layernorm import _add_layernorm_bwd, _add_layernorm_fwd, _ext_bwd, _ext_fwd
+from .attention import _attention_bwd, _attention_fwd, _runs_kernel, key_mask as _key_mask
+from .bias_act import _bias_act_bwd, _bias_act_fwd
+from ._autograd import once_differentiable, thin_apply
+from ._philox import dropout_seed
+
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+_threshold_backward = torch.ops.aten.threshold_backward.default
+
+
+class LayerSpec(NamedTuple):
+    """What a layer's kernels need besides tensors."""
+    num_heads: int
+    dropout_p: float          # 0 outside training
+    activation: str
+    eps1: float
+    eps2: float
+    extension: bool           # backend "cuda": the extension's add_layernorm
+
+
+def _linear(x, weight, bias):
+    """(rows, in) x (out, in)^T (+ bias): one GEMM call."""
+    return torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
+
+
+def _packed(parts, view):
+    """W_q, W_k, W_v (or their biases) as one tensor: ``view``, the Parameters' own memory when
+    pack_qkv_ put them back to back (the modules find it), else a concatenation."""
+    if parts[0] is None:
+        return None
+    return view if view is not None else torch.cat([p.detach() for p in parts])
+
+
+def _cpu_attention_args(qkv, num_heads, key_mask):
+    """q, k, v (B, heads, L, d) views of qkv, the additive/bool mask and the query factor."""
+    q, k, v = qkv.unflatten(-1, (3, num_heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)
+    if key_mask is None:
+        return q, k, v, None, None
+    mask, query_keep = key_mask.sdpa_mask, key_mask.query_keep
+    if mask is None or not (mask.dtype == torch.bool or mask.dtype == q.dtype):
+        mask, query_keep = _key_mask(key_mask.valid_lens, q.shape[2], k.shape[2], q.device)
+    if mask.dtype == torch.bool:        # the fused CPU kernel takes an additive mask
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    return q, k, v, mask, query_keep
+
+
+def _uses_kernels(qkv, dropout_p):
+    return _runs_kernel(qkv, dropout_p)
+
+
+def _attention_forward(qkv, key_mask, num_heads, dropout_p, seed):
+    """(context (B, L, H), what the backward needs)."""
+    if _uses_kernels(qkv, dropout_p):
+        valid_lens = None if key_mask is None else key_mask.valid_lens
+        counts = None if key_mask is None else key_mask.counts
+        out, lse = _attention_fwd(qkv, valid_lens, num_heads, dropout_p, seed, counts)
+        return out, (out, lse)
+    q, k, v, mask, query_keep = _cpu_attention_args(qkv, num_heads, key_mask)
+    if query_keep is not None:
+        q = q * query_keep
+    out, lse = _flash_cpu(q, k, v, 0.0, False, attn_mask=mask)
+    return out.transpose(1, 2).reshape(qkv.shape[0], qkv.shape[1], -1), (out, lse)
+
+
+def _attention_backward(grad, qkv, key_mask, num_heads, dropout_p, seed, saved):
+    """d_qkv (B, L, 3H)."""
+    out, lse = saved
+    if _uses_kernels(qkv, dropout_p):
+        valid_lens = None if key_mask is None else key_mask.valid_lens
+        counts = None if key_mask is None else key_mask.counts
+        return _attention_bwd(grad, qkv, out, lse, valid_lens, num_heads, dropout_p, seed, counts)
+    q, k, v, mask, query_keep = _cpu_attention_args(qkv, num_heads, key_mask)
+    if query_keep is not None:
+        q = q * query_keep
+    grad = grad.view(*grad.shape[:2], num_heads, -1).transpose(1, 2)
+    dq, dk, dv = _flash_cpu_backward(grad, q, k, v, out, lse, 0.0, False, attn_mask=mask)
+    if query_keep is not None:
+        dq = dq * query_keep
+    # (3, B, heads, L, d) -> (B, L, 3, heads, d): the packed projection's layout.
+    return torch.stack((dq, dk, dv)).permute(1, 3, 0, 2, 4).reshape(qkv.shape)
+
+
+def _layernorm_ops(extension):
+    return (_ext_fwd, _ext_bwd) if extension else (_add_layernorm_fwd, _add_layernorm_bwd)
+
+
+class _EncoderLayer(torch.autograd.Function):
+    """The layer above as one node; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, spec, key_mask, packed, x, w_q, w_k, w_v, b_q, b_k, b_v, w_o, b_o, ln1_w, ln1_b,
+                w_1, b_1, w_2, b_2, ln2_w, ln2_b):
+        batch, seqlen, hidden = x.shape
+        p = spec.dropout_p
+        ln_fwd, _ = _layernorm_ops(spec.extension)
+        rows = x.reshape(-1, hidden)
+        w_qkv, b_qkv = _packed((w_q, w_k, w_v), packed[0]), _packed((b_q, b_k, b_v), packed[1])
+        qkv = _linear(rows, w_qkv, b_qkv).view(batch, seqlen, 3 * hidden)
+        # Seeds in the per-op path's order (attention, then the two dropouts of the add-norms).
+        seeds = tuple(dropout_seed(p, x.device) for _ in range(3))
+        context, attention_saved = _attention_forward(qkv, key_mask, spec.num_heads, p, seeds[0])
+        context = context.reshape(-1, hidden)
+        projected = _linear(context, w_o, b_o)
+        y, mean1, rstd1 = ln_fwd(projected, rows, ln1_w, ln1_b, spec.eps1, seeds[1], p)
+        if spec.activation == "relu":
+            # The GEMM's ReLU epilogue (bias in the fp32 accumulator); its output is the mask.
+            h = torch._addmm_activation(b_1, y, w_1.t()) if b_1 is not None else torch.relu(torch.mm(y, w_1.t()))
+            act_saved = h
+        else:
+            z = torch.mm(y, w_1.t())
+            h = _bias_act_fwd(z, b_1, spec.activation)
+            act_saved = z
+        f = _linear(h, w_2, b_2)
+        # On x's shape: the output is then the kernel's fresh tensor, not a view of it (a view
+        # made inside a Function could not be edited in place, which the reference's output can).
+        out, mean2, rstd2 = ln_fwd(f.view(x.shape), y.view(x.shape), ln2_w, ln2_b, spec.eps2, seeds[2], p)
+        ctx.save_for_backward(rows, w_qkv, qkv, context, projected, y, act_saved, h, f,
+                              w_o, ln1_w, w_1, b_1, w_2, ln2_w)
+        # Intermediates that are neither inputs nor outputs may sit on ctx (no SavedVariable).
+        ctx.extras = (key_mask, attention_saved, seeds, (mean1, rstd1, mean2, rstd2))
+        ctx.spec, ctx.biases = spec, tuple(b is not None for b in (b_qkv, b_o, ln1_b, ln2_b))
+        return out
+
+    @staticmethod
+    @once_differentiable("the fused encoder layer", "bert_fast::add_layernorm_bwd")
+    def backward(ctx, grad_out):
+        (rows, w_qkv, qkv, context, projected, y, act_saved, h, f,
+         w_o, ln1_w, w_1, b_1, w_2, ln2_w) = ctx.saved_tensors
+        key_mask, attention_saved, seeds, (mean1, rstd1, mean2, rstd2) = ctx.extras
+        spec, (has_b_qkv, has_b_o, has_ln1_b, has_ln2_b) = ctx.spec, ctx.biases
+        p, hidden = spec.dropout_p, rows.shape[-1]
+        needs = ctx.needs_input_grad
+        _, ln_bwd = _layernorm_ops(spec.extension)
+
+        # LN2: the residual's gradient (to y) and the FFN output's (through its dropout).
+        shape = grad_out.shape
+        d_res, d_drop, d_ln2_w, d_ln2_b = ln_bwd(grad_out, f.view(shape), y.view(shape), ln2_w, mean2, rstd2,
+                                                 seeds[2], p, has_ln2_b)
+        d_res = d_res.reshape(-1, hidden)
+        d_f = (d_drop if p > 0.0 else d_res).reshape(-1, hidden)
+        d_w2 = d_f.t().mm(h) if needs[16] else None
+        d_b2 = d_f.sum(0) if needs[17] else None
+        d_h = d_f.mm(w_2)
+        if spec.activation == "relu":
+            d_z = _threshold_backward(d_h, act_saved, 0)
+            d_b1 = d_z.sum(0) if needs[15] else None
+        else:
+            d_z, d_b1 = _bias_act_bwd(d_h, act_saved, b_1, spec.activation)
+            d_b1 = d_b1 if needs[15] else None
+        d_w1 = d_z.t().mm(y) if needs[14] else None
+        d_y = torch.addmm(d_res, d_z, w_1)                 # + the residual's gradient, in the GEMM
+
+        # LN1, the output projection, attention, the packed QKV projection.
+        d_res, d_drop, d_ln1_w, d_ln1_b = ln_bwd(d_y, projected, rows, ln1_w, mean1, rstd1, seeds[1], p, has_ln1_b)
+        d_projected = d_drop if p > 0.0 else d_res
+        d_w_o = d_projected.t().mm(context) if needs[10] else None
+        d_b_o = d_projected.sum(0) if has_b_o and needs[11] else None
+        d_context = d_projected.mm(w_o).view(qkv.shape[0], qkv.shape[1], hidden)
+        d_qkv = _attention_backward(d_context, qkv, key_mask, spec.num_heads, p, seeds[0],
+                                    attention_saved).reshape(-1, 3 * hidden)
+        d_w_qkv = d_qkv.t().mm(rows).split(hidden) if any(needs[4:7]) else (None,) * 3
+        d_b_qkv = d_qkv.sum(0).split(hidden) if has_b_qkv and any(needs[7:10]) else (None,) * 3
+        d_x = torch.addmm(d_res, d_qkv, w_qkv).view(qkv.shape[0], qkv.shape[1], hidden) if needs[3] else None
+        return (None, None, None, d_x, *d_w_qkv, *d_b_qkv, d_w_o, d_b_o,
+                d_ln1_w if needs[12] else None, d_ln1_b if has_ln1_b and needs[13] else None,
+                d_w1, d_b1, d_w2, d_b2,
+                d_ln2_w if needs[18] else None, d_ln2_b if has_ln2_b and needs[19] else None)
+
+
+def encoder_layer(spec, x, key_mask, params, packed=(None, None)):
+    """The layer's output for x (B, L, H). ``params``: W_q, W_k, W_v, b_q, b_k, b_v, W_o, b_o,
+    LN1 weight and bias, W_1, b_1, W_2, b_2, LN2 weight and bias (biases may be None).
+    ``packed``: the QKV weight and bias as views of the Parameters' memory where they lie back
+    to back (else None: concatenated here)."""
+    return thin_apply(_EncoderLayer, spec, key_mask, packed, x, *params)

@@ -1,0 +1,184 @@
+"""ops.encoder_layer: a training layer as one autograd node (eager, triton and cuda backends).
+
+It must give what the per-op path gives (same launchers, same dropout draws) for values and
+every gradient, so each test runs one block both ways: the fused node, and the per-op path
+forced by a no-op forward hook on the attention submodule (a hook is one of the things the
+fused path refuses to bypass). CPU: the CPU kernels; with ``kernels_on_cpu()`` the Triton
+launchers in the interpreter (the GPU's path); on a GPU the same comparison in fp32 and bf16.
+"""
+
+import contextlib
+
+import pytest
+import torch
+
+from bert_fast import ops
+from bert_fast.backend import available_backends
+from bert_fast.modules import FastEncoderBlock
+from bert_fast.ops._triton import interpreting, kernels_on_cpu
+from tests.helpers import BF16_OK, assert_close, needs_cuda, needs_kernels
+
+BACKENDS = [b for b in available_backends() if b in ("triton", "cuda")]
+B, L, HEADS, HEAD_DIM, FFN = 2, 11, 2, 16, 48        # L not a multiple of the kernels' tiles
+H = HEADS * HEAD_DIM
+VALID_LENS = {"none": None, "1d": torch.tensor([0.0, 6.5]), "2d": torch.tensor([[3] * L, list(range(L))])}
+
+
+def make_block(backend, dropout=0.0, use_bias=False, activation="relu", device="cpu", dtype=torch.float32):
+    torch.manual_seed(0)
+    block = FastEncoderBlock(H, H, H, H, [H], H, FFN, HEADS, dropout, use_bias, activation=activation,
+                             backend=backend).to(device, dtype).train()
+    with torch.no_grad():          # LayerNorm's affine parameters away from their 1 / 0 init
+        for ln in (block.addnorm1.ln, block.addnorm2.ln):
+            ln.weight.uniform_(0.5, 1.5), ln.bias.uniform_(-0.5, 0.5)
+    return block
+
+
+def run(block, x, valid_lens, grad_out, seed=0):
+    """(output, {name: grad} of x and every Parameter) of one forward+backward."""
+    block.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    torch.manual_seed(seed)
+    out = block(x, valid_lens)
+    out.backward(grad_out)
+    grads = {name: p.grad for name, p in block.named_parameters()}
+    grads["x"] = x.grad
+    return out.detach(), out.grad_fn, grads
+
+
+def fused_and_per_op(block, x, valid_lens, grad_out):
+    fused = run(block, x, valid_lens, grad_out)
+    handle = block.attention.register_forward_hook(lambda *args: None)
+    try:
+        per_op = run(block, x, valid_lens, grad_out)
+    finally:
+        handle.remove()
+    assert type(fused[1]).__name__ == "_EncoderLayerBackward", "the fused node was not used"
+    assert type(per_op[1]).__name__ != "_EncoderLayerBackward", "the hook did not force the per-op path"
+    return fused, per_op
+
+
+def assert_same(fused, per_op, atol, rtol=0.0):
+    assert_close(fused[0], per_op[0], atol=atol, rtol=rtol, what="output")
+    assert fused[2].keys() == per_op[2].keys()
+    for name, want in per_op[2].items():
+        got = fused[2][name]
+        assert (got is None) == (want is None), f"grad {name}: {got is None=} {want is None=}"
+        if want is not None:
+            assert got.shape == want.shape, name
+            assert_close(got, want, atol=atol, rtol=rtol, what=f"grad {name}")
+
+
+def inputs(device="cpu", dtype=torch.float32):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(B, L, H, generator=g).to(device, dtype)
+    grad_out = torch.randn(B, L, H, generator=g).to(device, dtype)
+    return x, grad_out
+
+
+@pytest.mark.parametrize("activation, use_bias", [("relu", False), ("relu", True), ("gelu", True),
+                                                  ("gelu_tanh", False)])
+@pytest.mark.parametrize("valid_lens", list(VALID_LENS.values()), ids=list(VALID_LENS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_layer_matches_the_per_op_path(backend, valid_lens, activation, use_bias):
+    block = make_block(backend, use_bias=use_bias, activation=activation)
+    x, grad_out = inputs()
+    assert_same(*fused_and_per_op(block, x, valid_lens, grad_out), atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_layer_with_dropout_draws_the_per_op_masks(backend):
+    """The same seeds in the same order: with dropout the two paths give the same result."""
+    block = make_block(backend, dropout=0.3, use_bias=True)
+    x, grad_out = inputs()
+    fused, per_op = fused_and_per_op(block, x, VALID_LENS["1d"], grad_out)
+    assert_same(fused, per_op, atol=1e-5)
+    without = run(make_block(backend, use_bias=True), x, VALID_LENS["1d"], grad_out)
+    assert (fused[0] - without[0]).abs().max() > 0.1, "dropout changed nothing"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_frozen_parameters_get_no_gradient(backend):
+    block = make_block(backend, use_bias=True)
+    for module in (block.attention.W_k, block.ffn.dense2, block.addnorm1.ln):
+        for p in module.parameters():
+            p.requires_grad_(False)
+    x, grad_out = inputs()
+    fused, per_op = fused_and_per_op(block, x, VALID_LENS["2d"], grad_out)
+    assert_same(fused, per_op, atol=1e-5)
+    assert fused[2]["attention.W_k.weight"] is None and fused[2]["ffn.dense2.bias"] is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_qkv_gradients_whether_packed_or_not(backend):
+    """W_q, W_k, W_v read in place (packed by pack_qkv_) or concatenated (Parameters replaced
+    by separate tensors): the same gradients."""
+    block = make_block(backend, use_bias=True)
+    x, grad_out = inputs()
+    packed = run(block, x, VALID_LENS["1d"], grad_out)
+    for linear in (block.attention.W_q, block.attention.W_k, block.attention.W_v):
+        linear.weight = torch.nn.Parameter(linear.weight.detach().clone())
+    assert block.attention._qkv_packing is None or not block.attention._qkv_packing.holds(
+        block.attention._qkv_params())
+    separate = run(block, x, VALID_LENS["1d"], grad_out)
+    assert type(separate[1]).__name__ == "_EncoderLayerBackward"
+    assert_same(packed, separate, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_where_the_fused_layer_does_not_apply(backend):
+    """Inference, autocast and a hooked submodule take the per-op path, and the hook runs."""
+    block = make_block(backend)
+    x, _ = inputs()
+    with torch.no_grad():
+        assert block(x, VALID_LENS["1d"]).grad_fn is None
+    x.requires_grad_()
+    with torch.autocast("cpu", torch.bfloat16):
+        out = block(x, VALID_LENS["1d"])
+    assert type(out.grad_fn).__name__ != "_EncoderLayerBackward"
+    out.float().sum().backward()
+    plain = block(x, None)
+    handle = block.ffn.dense2.register_forward_hook(lambda module, args, output: output * 2.0)
+    hooked = block(x, None)
+    handle.remove()
+    assert type(hooked.grad_fn).__name__ != "_EncoderLayerBackward"
+    assert (hooked - plain).abs().max() > 1e-3, "the hook's change did not reach the output"
+
+
+def test_output_is_not_a_view_and_can_be_edited_in_place():
+    block = make_block("triton")
+    x, _ = inputs()
+    out = block(x.requires_grad_(), None)
+    assert out._base is None
+    out.mul_(2.0).sum().backward()
+    assert block.ffn.dense1.weight.grad is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# The Triton launchers (interpreter on CPU tensors): the path a GPU takes.
+
+@needs_kernels
+@pytest.mark.skipif(torch.cuda.is_available() or not interpreting(), reason="interpreter only; GPU test below")
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+@pytest.mark.parametrize("valid_lens", list(VALID_LENS.values()), ids=list(VALID_LENS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_layer_through_the_kernels(backend, valid_lens, dropout):
+    block = make_block(backend, dropout=dropout, use_bias=True, activation="gelu" if dropout else "relu")
+    x, grad_out = inputs()
+    with kernels_on_cpu():
+        key_mask = ops.prepare_key_mask(valid_lens, L, backend)
+        fused, per_op = fused_and_per_op(block, x, key_mask, grad_out)
+    assert_same(fused, per_op, atol=1e-5)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if BF16_OK else []), ids=str)
+@pytest.mark.parametrize("valid_lens", list(VALID_LENS.values()), ids=list(VALID_LENS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gpu_fused_layer_matches_the_per_op_path(backend, valid_lens, dtype):
+    block = make_block(backend, dropout=0.1, use_bias=True, device="cuda", dtype=dtype)
+    x, grad_out = inputs("cuda", dtype)
+    valid_lens = None if valid_lens is None else valid_lens.cuda()
+    fused, per_op = fused_and_per_op(block, x, valid_lens, grad_out)
+    # bf16: the two paths round the same values, but the GEMMs' reduction order may differ.
+    assert_same(fused, per_op, atol=1e-4 if dtype == torch.float32 else 3e-2, rtol=0 if dtype == torch.float32 else 2e-2)
