@@ -98,6 +98,29 @@ def test_low_precision_against_fp32_reference(dtype):
     assert err <= 2 * baseline + FLOOR[dtype], f"{dtype}: error {err:.3g}, reference in {dtype}: {baseline:.3g}"
 
 
+@pytest.mark.parametrize("backend", available_backends())
+def test_autocast_training_matches_the_reference_under_autocast(backend):
+    """Mixed precision as people fine-tune (torch.autocast, fp32 weights): the output dtype the
+    reference gives there (fp32: LayerNorm is an fp32 op under autocast), and values and
+    gradients within bf16's error of the reference under the same autocast."""
+    ref, fast = encoder_pair(encoder_config(num_layers=2), backend=backend)
+    ref.train(), fast.train()
+    tokens, segments = random_inputs(B, L, 50)
+    valid_lens = torch.tensor([5, 0, 11])
+    results = []
+    for model in (ref, fast):
+        with torch.autocast("cpu", torch.bfloat16):
+            out = model(tokens, segments, valid_lens)
+        (out.float() * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        results.append((out, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}))
+    (expected, expected_grads), (out, grads) = results
+    assert out.dtype == expected.dtype == torch.float32
+    assert_close(out, expected, atol=5e-2, rtol=2e-2)
+    assert grads.keys() == expected_grads.keys()
+    for name, want in expected_grads.items():
+        assert_close(grads[name], want, atol=5e-2, rtol=5e-2, what=f"grad {name}")
+
+
 def test_learn_pos_embedding_gradient():
     cfg = encoder_config()
     ref, fast = encoder_pair(cfg, learn_pos_embedding=True)

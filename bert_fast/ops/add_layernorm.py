@@ -36,8 +36,8 @@ from torch.nn import functional as F
 
 from .. import extension
 from ..extension import require_extension
-from ._autograd import (below_autograd, forbid_double_backward, once_differentiable, records_grad, thin_apply,
-                        use_registered_op)
+from ._autograd import (autocasting, below_autograd, forbid_double_backward, once_differentiable, records_grad,
+                        thin_apply, use_registered_op)
 from ._philox import check_seed, dropout_keep, dropout_seed
 from ._triton import (as_dtype, as_rows, compute_dtype, cpu_kernel, KERNEL_DTYPES, launch, reduction_programs,
                       require_triton, tl, triton, uses_triton)
@@ -462,6 +462,11 @@ def add_layernorm(x, residual, weight, bias, eps=1e-5, dropout_p=0.0, training=F
     """
     if not uses_triton(backend):
         return _add_layernorm_torch(x, residual, weight, bias, eps, dropout_p, training)
+    if autocasting():
+        # As the reference under autocast: its sum promotes (x is the sublayer's autocast-dtype
+        # output, residual often fp32) and LayerNorm is one of autocast's fp32 ops.
+        x, residual = as_dtype(x, torch.float32), as_dtype(residual, torch.float32)
+        weight, bias = as_dtype(weight, torch.float32), as_dtype(bias, torch.float32)
     if training and dropout_p > 0.0:
         dropout_p = float(dropout_p)
         seed = dropout_seed(dropout_p, x.device)
