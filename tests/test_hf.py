@@ -358,3 +358,15 @@ def test_minilm_through_sentence_transformers(minilm_dir, monkeypatch):
     assert_close(got, want, ATOL, what="sentence embeddings")
     # The ranking a search would give is the same.
     assert torch.equal((got @ got.T).argsort(dim=1), (want @ want.T).argsort(dim=1))
+
+
+def test_semantic_search_example_ranks_the_same(minilm_dir):
+    """examples/semantic_search.py: exits 0 only when both models rank the corpus the same."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).parent.parent / "examples" / "semantic_search.py"
+    run = subprocess.run([sys.executable, str(script), "--model-dir", str(minilm_dir), "--repeats", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "same ranking for every query (all three): yes" in run.stdout, run.stdout
