@@ -16,6 +16,7 @@ and every method on the same weights and dtype, in the same run:
   compile_max_autotune      torch.compile(reference, mode="max-autotune") (--no-autotune: left out)
   torch_transformer         nn.TransformerEncoder fast path, nested tensors (bert_fast.peers)
   hf_sdpa                   HF BertModel, attn_implementation="sdpa" (bert_fast.peers)
+  hf_optimize               the same HF BertModel after bert_fast.optimize() (bert_fast.hf)
   fast, fast_skip_padding   FastBERTEncoder exact and skip_padding, "[backend]" for each backend
                             other than auto's choice
   fast_cuda_graphs, fast_skip_padding_cuda_graphs
@@ -184,6 +185,7 @@ def backend_suffix(backend):
 
 
 INFERENCE_BASELINES = ("eager", "compile", "compile_max_autotune", "torch_transformer", "hf_sdpa")
+HF_OPTIMIZE = "hf_optimize"       # ours: the hf_sdpa peer after optimize()
 AUTO_GRAPHS = ("fast_cuda_graphs", "fast_skip_padding_cuda_graphs")
 LATENCY_ONLY = ("fast_compile_reduce_overhead", "fast_cuda_graph")
 
@@ -194,7 +196,7 @@ def method_names(shape, backends):
     if shape.training:
         return ["eager", "compile", *(name + suffix for suffix in suffixes
                                       for name in ("optimize", "optimize_skip_padding"))]
-    names = [*INFERENCE_BASELINES, *(name + suffix for suffix in suffixes
+    names = [*INFERENCE_BASELINES, HF_OPTIMIZE, *(name + suffix for suffix in suffixes
                                      for name in ("fast", "fast_skip_padding")), *AUTO_GRAPHS]
     return names + list(LATENCY_ONLY if shape.name == "latency" else ())
 
@@ -218,28 +220,36 @@ def compile_methods(module, options, ours=False, prefix="compile"):
 
 
 def peer_methods(encoder, dtype, device):
-    """nn.TransformerEncoder and HF BertModel (sdpa) with the encoder's weights (bert_fast.peers)."""
+    """nn.TransformerEncoder and HF BertModel (sdpa) with the encoder's weights (bert_fast.peers),
+    and (ours) that HF model after optimize()."""
     try:
         from . import peers
     except Exception as error:      # not written yet, or broken: the run goes on without peers
         why = f"bert_fast.peers unavailable ({failure_reason(error)})"
-        return [unavailable("torch_transformer", why), unavailable("hf_sdpa", why)]
+        return [unavailable("torch_transformer", why), unavailable("hf_sdpa", why),
+                unavailable(HF_OPTIMIZE, why, ours=True)]
+
+    def hf_optimized():
+        peer = peers.hf_bert_peer(encoder, attn_implementation="sdpa")
+        return None if peer is None else optimize(peer)
+
     return [
         _peer_method("torch_transformer", lambda: peers.transformer_encoder_peer(encoder), dtype, device),
         _peer_method("hf_sdpa", lambda: peers.hf_bert_peer(encoder, attn_implementation="sdpa"), dtype,
                      device, missing=peers.hf_unavailable_reason),
+        _peer_method(HF_OPTIMIZE, hf_optimized, dtype, device, missing=peers.hf_unavailable_reason, ours=True),
     ]
 
 
-def _peer_method(name, build, dtype, device, missing=None):
+def _peer_method(name, build, dtype, device, missing=None, ours=False):
     try:
         module = build()
     except Exception as error:
-        return unavailable(name, f"could not be built: {failure_reason(error)}")
+        return unavailable(name, f"could not be built: {failure_reason(error)}", ours)
     if module is None:
-        return unavailable(name, missing() if missing else "not available")
+        return unavailable(name, missing() if missing else "not available", ours)
     # Peers keep their own padded positions (zeros or garbage): compare valid positions only.
-    return SuiteMethod(name, module.to(device=device, dtype=dtype).eval(), valid_positions_only=True)
+    return SuiteMethod(name, module.to(device=device, dtype=dtype).eval(), valid_positions_only=True, ours=ours)
 
 
 def fast_methods(models, backends, unusable_backends):
