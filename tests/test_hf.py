@@ -370,3 +370,47 @@ def test_semantic_search_example_ranks_the_same(minilm_dir):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "same ranking for every query (all three): yes" in run.stdout, run.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU (skipped without CUDA): the Triton kernels for real, fp32 and the STYLE.md rule in bf16/fp16
+# ----------------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gpu_minilm_within_the_tolerance_rule(minilm_dir, dtype):
+    if dtype == torch.bfloat16 and torch.cuda.get_device_capability()[0] < 8:
+        pytest.skip("bf16 needs compute capability >= 8.0")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_dir)
+    batch = tokenizer(SENTENCES, padding=True, return_tensors="pt").to("cuda")
+    reference = BertModel.from_pretrained(minilm_dir).cuda().eval()            # fp32 HF: the reference
+    same_precision = copy.deepcopy(reference).to(dtype)                        # HF in the dtype
+    fast = bert_fast.optimize(copy.deepcopy(reference).to(dtype))
+    mask = batch["attention_mask"]
+    with torch.no_grad():
+        want = mean_pooled(reference(**batch).last_hidden_state, mask)
+        torch_err = max_err(mean_pooled(same_precision(**batch).last_hidden_state.float(), mask), want)
+        got = mean_pooled(fast(**batch).last_hidden_state.float(), mask)
+    floor = {torch.float32: ATOL, torch.bfloat16: 5e-2, torch.float16: 1e-2}[dtype]
+    assert_close(got, want, 2 * torch_err + floor, what=f"mean-pooled embeddings ({dtype})")
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("mask_name", ["prefix", "holes"])
+def test_gpu_forward_and_gradients_match_hf(backend, mask_name):
+    ref, fast = hf_pair(config(), backend=backend)
+    ref.cuda().train(), fast.cuda().train()
+    ids, types = (t.cuda() for t in inputs(3, 19))
+    mask = make_mask(mask_name, 3, 19).cuda()
+    want, got = ref(ids, mask, types).last_hidden_state, fast(ids, mask, types).last_hidden_state
+    assert_close(got, want, ATOL)
+    w = torch.randn_like(want)
+    (want * w).sum().backward()
+    (got * w).sum().backward()
+    for (name, p), q in zip(ref.named_parameters(), fast.parameters()):
+        if p.grad is not None:
+            assert_close(q.grad, p.grad, ATOL, rtol=ATOL, what=f"grad {name}")
