@@ -258,6 +258,16 @@ def test_bad_inputs_raise_clear_errors():
         fast(torch.full((1, 4), 99))
 
 
+def test_torch_compile_fullgraph_matches_hf():
+    """Compiled, the mask is not read on the host: the sort-to-prefix path, in one graph."""
+    ref, fast = hf_pair(config(layers=1))
+    ids, types = inputs(2, 7)
+    mask = make_mask("holes", 2, 7)
+    compiled = torch.compile(fast, fullgraph=True)
+    with torch.no_grad():
+        assert_close(compiled(ids, mask, types).last_hidden_state, ref(ids, mask, types).last_hidden_state, ATOL)
+
+
 @needs_kernels
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels run for real")
 @pytest.mark.parametrize("positions", [None, "rows"])
