@@ -28,7 +28,8 @@ and every method on the same weights and dtype, in the same run:
   fast_cuda_graph           latency shape, CUDA only: fast with check_inputs=False, captured by
                             bert_fast.cuda_graph.capture_encoder (no compile)
   train shape: eager, compile (of model + loss), optimize / optimize_skip_padding (the model
-  after bert_fast.optimize(..., backend=...)), each with its own AdamW on its own weights.
+  after bert_fast.optimize(..., backend=...)), optimize_compile (optimize(), backend auto, then
+  model + loss compiled), each with its own AdamW on its own weights.
 
 A method that cannot run (not built, peer missing, compile error, out of memory) becomes a row
 "skipped: <reason>"; the run goes on. Every row carries median and p90 latency, tokens/s,
@@ -195,7 +196,7 @@ def method_names(shape, backends):
     suffixes = [backend_suffix(backend) for backend in backends]
     if shape.training:
         return ["eager", "compile", *(name + suffix for suffix in suffixes
-                                      for name in ("optimize", "optimize_skip_padding"))]
+                                      for name in ("optimize", "optimize_skip_padding")), "optimize_compile"]
     names = [*INFERENCE_BASELINES, HF_OPTIMIZE, *(name + suffix for suffix in suffixes
                                      for name in ("fast", "fast_skip_padding")), *AUTO_GRAPHS]
     return names + list(LATENCY_ONLY if shape.name == "latency" else ())
@@ -428,6 +429,13 @@ def train_methods(base_model, dtype, device, options):
                 methods.append(unavailable(name, f"optimize failed: {failure_reason(error)}", ours=True))
                 continue
             methods.append(SuiteMethod(name, TrainStep(model, device), ours=True))
+    if options.compile:
+        # The step compiled with our registered ops inside (backend auto), model and loss in one graph.
+        methods.append(SuiteMethod("optimize_compile", TrainStep(optimize(copy_of_model()), device,
+                                                                 compile_mode="default"), ours=True))
+    else:
+        methods.append(unavailable("optimize_compile", "not asked (--no-compile; --quick leaves compile out "
+                                                       "unless --compile)", ours=True))
     return methods
 
 
