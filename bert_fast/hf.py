@@ -299,9 +299,10 @@ class FastBertLayer(BertLayer):
 # Keyword arguments of BertModel.forward the fast path takes when they have these values
 # (None = HF's default); any other value of one of them, or any other argument, runs HF's forward.
 _NEUTRAL = {"inputs_embeds": (None,), "head_mask": (None,), "encoder_hidden_states": (None,),
-            "encoder_attention_mask": (None,), "past_key_values": (None,), "use_cache": (None, False),
-            "output_attentions": (None, False)}
-_HANDLED = ("output_hidden_states", "return_dict")
+            "encoder_attention_mask": (None,), "past_key_values": (None,), "output_attentions": (None, False),
+            "output_hidden_states": (None, False, True)}    # transformers 5 also takes a selection of layers
+# use_cache: HF ignores it for encoders (not decoders: optimize() refuses those).
+_HANDLED = ("return_dict", "use_cache")
 
 
 def _prefix_lengths_on_host(keep):

@@ -170,6 +170,8 @@ def test_hidden_states_tuples_and_position_ids():
         want = ref(ids, mask, position_ids=row[None]).last_hidden_state
         assert_close(fast(ids, mask, position_ids=row[None]).last_hidden_state, want, ATOL, what="(1, L) positions")
         assert_close(fast(ids, mask, position_ids=row).last_hidden_state, want, ATOL, what="(L,) positions")
+        # use_cache means nothing to an encoder (HF ignores it): still the fused path.
+        assert_close(fast(ids, mask, position_ids=row, use_cache=True).last_hidden_state, want, ATOL)
 
 
 def test_permuted_path_equals_the_prefix_path(monkeypatch):
