@@ -7,8 +7,9 @@ reads outside a table or wraps a negative id.
 - The Triton kernels (run here in the interpreter through kernels_on_cpu(), as on a GPU): an
   out-of-range id is never dereferenced; that table adds zeros to the row in the forward, and
   the row adds nothing to that table in the backward (atomic and deterministic).
-- Compiled (CPU): the torch backend's lookups guard as the Triton kernels do; the triton and
-  cuda backends' registered ops raise as in eager. Never the wrapped row.
+- Compiled (CPU): the torch backend's lookups and the triton backend's CPU kernel (traced into)
+  guard as the Triton kernels do, as does embedding_layernorm's; the cuda backend's registered
+  op raises as in eager. Never the wrapped row.
 
 Calls that could read or write out of bounds run in a child process (tests/isolated.py), so a
 crash fails one test instead of the run. Tables sit inside NaN-filled buffers: a read one row
@@ -17,10 +18,12 @@ before or after a table gives NaN in the output.
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 from bert_fast.backend import available_backends
 from bert_fast.ops import embedding as emb
 from bert_fast.ops._triton import interpreting, kernels_on_cpu
+from bert_fast.ops.embedding_layernorm import embedding_layernorm
 from tests.helpers import needs_cuda
 from tests.isolated import call_in_child
 
@@ -206,40 +209,86 @@ def _compiled_embedding_sum(tokens, segments, token_weight, segment_weight, pos_
                              backend=backend, learn_pos_embedding=True)
 
 
-def compiled_forward_backward(backend, tokens, segments, positions, tables, grad_out):
+def compiled_forward(backend, tokens, segments, positions, tables):
+    """Inference (no table needs a gradient): a graph of its own, with no backward."""
     compiled = torch.compile(_compiled_embedding_sum, fullgraph=True, dynamic=False)
-    leaves = [t.detach().clone().requires_grad_() for t in tables]
-    out = compiled(tokens, segments, *leaves, positions, backend)
-    return out.detach(), list(torch.autograd.grad(out, leaves, grad_out))
+    return compiled(tokens, segments, *tables, positions, backend)
+
+
+def compiled_forward_backward(backend, tokens, segments, positions, tables, grad_out):
+    """(out, table gradients, border gradients). The leaves are the NaN-bordered buffers and the
+    compiled call takes the tables as views into them: a read outside a table gives NaN, a write
+    outside one shows as a gradient on a border row."""
+    compiled = torch.compile(_compiled_embedding_sum, fullgraph=True, dynamic=False)
+    buffers = []
+    for table in tables:      # (rebuilt here: a view's base does not cross to the child process)
+        buffer = torch.full((*table.shape[:-2], table.shape[-2] + 2, HIDDEN), float("nan"), dtype=table.dtype)
+        buffer[..., 1:-1, :] = table
+        buffers.append(buffer.requires_grad_())
+    out = compiled(tokens, segments, *(b[..., 1:-1, :] for b in buffers), positions, backend)
+    grads = torch.autograd.grad(out, buffers, grad_out)
+    return (out.detach(), [g[..., 1:-1, :] for g in grads],
+            torch.stack([g[..., (0, -1), :].reshape(2, -1) for g in grads]))
 
 
 @pytest.mark.parametrize("form,kind,value", CASES, ids=CASE_IDS)
-def test_compiled_torch_backend_guards(form, kind, value):
-    """Compiled, the torch backend's lookups guard as the Triton kernels do (ids are not
-    readable while tracing; Inductor itself asserts on torch 2.13 and does not check on 2.11)."""
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("torch", "triton")])
+def test_compiled_lookups_guard(backend, form, kind, value):
+    """Compiled, the torch backend's lookups and the triton backend's CPU kernel (traced into,
+    as every triton_op) guard as the Triton kernels do, forward and backward: ids are not
+    readable while tracing, and Inductor itself asserts on torch 2.13 but reads and writes
+    outside the table unchecked on 2.11."""
     tokens, segments, positions = ids_with_bad(form, kind, value)
     tables = guarded_tables()
     grad_out = torch.randn(*tokens.shape, HIDDEN, generator=torch.Generator().manual_seed(2))
     expected_out, expected = guarded_reference(tokens, segments, positions, tables, grad_out)
-    out, grads = call_in_child(compiled_forward_backward, "torch", tokens, segments, positions, tables, grad_out)
+    # Inference: torch 2.11's Inductor wrapped a negative id in the triton backend's graph.
+    out = call_in_child(compiled_forward, backend, tokens, segments, positions, tables)
+    assert not out.isnan().any(), "a read outside a table"
+    torch.testing.assert_close(out.double(), expected_out, atol=1e-5, rtol=0)
+    out, grads, borders = call_in_child(compiled_forward_backward, backend, tokens, segments, positions, tables,
+                                        grad_out)
+    assert not out.isnan().any(), "a read outside a table"
+    assert not borders.any(), "a gradient written outside a table"
     torch.testing.assert_close(out.double(), expected_out, atol=1e-5, rtol=0)
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got.reshape(want.shape).double(), want, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("triton", "cuda")])
-def test_compiled_kernel_backends_raise_on_cpu(backend):
-    """Compiled, the triton and cuda backends call their registered ops, whose CPU kernels
-    check the ids on the host as in eager."""
+def compiled_embedding_layernorm(tokens, segments, positions, tables, weight, bias):
+    def call(tokens, segments, token_weight, segment_weight, pos_weight, positions):
+        return embedding_layernorm(tokens, segments, token_weight, segment_weight, pos_weight, weight, bias, 1e-5,
+                                   positions=positions, backend="triton")
+    return torch.compile(call, fullgraph=True, dynamic=False)(tokens, segments, tables[0], tables[1], tables[2][0],
+                                                              positions)
+
+
+@pytest.mark.parametrize("form,kind,value", CASES, ids=CASE_IDS)
+def test_compiled_embedding_layernorm_guards(form, kind, value):
+    """embedding_layernorm (the HF path) compiled: an out-of-range id's table adds a zero row to
+    the normalised sum, as embedding_sum's guarded lookups."""
+    tokens, segments, positions = ids_with_bad(form, kind, value)
+    tables = guarded_tables()
+    weight, bias = torch.randn(HIDDEN), torch.randn(HIDDEN)
+    out = call_in_child(compiled_embedding_layernorm, tokens, segments, positions, tables, weight, bias)
+    summed, _ = guarded_reference(tokens, segments, positions, tables, torch.zeros(*tokens.shape, HIDDEN))
+    expected = F.layer_norm(summed, (HIDDEN,), weight.double(), bias.double(), 1e-5)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif("cuda" not in BACKENDS, reason="the extension is not built")
+def test_compiled_extension_op_raises_on_cpu():
+    """Compiled, the cuda backend calls the extension's registered op, opaque to Inductor,
+    whose C++ CPU kernel checks the ids on the host as in eager."""
     compiled = torch.compile(_compiled_embedding_sum, fullgraph=True, dynamic=False)
     tables = guarded_tables()
     tokens, segments, positions = ids_with_bad("packed", "tokens", "negative")
-    assert not compiled(tokens.clamp(min=0), segments, *tables, positions, backend).isnan().any()
+    assert not compiled(tokens.clamp(min=0), segments, *tables, positions, "cuda").isnan().any()
     for kind in TABLE_ROWS:
         for value in ("negative", "too_large"):
             tokens, segments, positions = ids_with_bad("packed", kind, value)
             with pytest.raises((RuntimeError, IndexError), match="out of (bounds|range)"):
-                compiled(tokens, segments, *tables, positions, backend)
+                compiled(tokens, segments, *tables, positions, "cuda")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -89,23 +89,37 @@ def _check_id_range(name, ids, n_rows):
 
 def _check_id_ranges(tokens, segments, positions, n_tokens, n_segments, max_len):
     """The CPU paths' range check (the C++ CPU op's message): ids are on the host, so a bad id
-    is reported, never wrapped (a negative id is not a row counted from the end)."""
+    is reported, never wrapped (a negative id is not a row counted from the end).
+
+    Returns whether the ids were checked. They are not while torch.compile traces (a registered
+    op's CPU implementation is traced too): the caller then guards its lookups and scatters."""
     if not _id_values_readable(tokens, segments, positions):
-        return
+        return False
     _check_id_range("tokens", tokens, n_tokens)
     _check_id_range("segments", segments, n_segments)
     if positions is not None:
         _check_id_range("positions", positions, max_len)
+    return True
 
 
-def _guarded_lookup(ids, table):
-    """``table[ids]`` where an id outside [0, rows) gives a zero row and no gradient: the Triton
-    kernels' guard, written so Inductor can see every address is in range. Compiled, a plain
-    lookup of such an id is Inductor's problem: torch 2.13 asserts (an abort on CUDA), torch
-    2.11 reads outside the table unchecked."""
+def _guarded_lookup(ids, table, padding_idx=None):
+    """``F.embedding(ids, table, padding_idx)`` where an id outside [0, rows) gives a zero row
+    and no gradient: the Triton kernels' guard, written so Inductor can see every address is in
+    range. Compiled, a plain lookup of such an id is Inductor's problem: torch 2.13 asserts (an
+    abort on CUDA), torch 2.11 reads outside the table unchecked."""
     rows = table.shape[0]
     inside = ((ids >= 0) & (ids < rows)).unsqueeze(-1)
-    return torch.where(inside, F.embedding(ids.clamp(0, rows - 1), table), 0)
+    return torch.where(inside, F.embedding(ids.clamp(0, rows - 1), table, padding_idx), 0)
+
+
+def _guarded_index_add(grad_rows, ids, n_rows):
+    """``zeros(n_rows, H).index_add_(0, ids, grad_rows)`` where the rows of ids outside
+    [0, n_rows) add nothing (the Triton backward's guard; Inductor on torch 2.11 would write
+    outside the buffer)."""
+    ids = ids.reshape(-1)
+    inside = ((ids >= 0) & (ids < n_rows)).unsqueeze(-1)
+    return grad_rows.new_zeros(n_rows, grad_rows.shape[-1]).index_add_(
+        0, ids.clamp(0, n_rows - 1), torch.where(inside, grad_rows, 0))
 
 
 def _embedding_sum_torch(tokens, segments, token_weight, segment_weight, pos_weight, positions,
@@ -512,14 +526,15 @@ def _embedding_sum_fwd_cpu(tokens, segments, token_weight, segment_weight, pos_w
     """The CPU kernel: three lookups summed in fp32 (fp64 tables: fp64). F.embedding, not
     indexing: a negative id is an error, never a row counted from the end."""
     _check_fwd_inputs(tokens, segments, token_weight, segment_weight, pos_weight, positions)
-    _check_id_ranges(tokens, segments, positions, token_weight.shape[0], segment_weight.shape[0],
-                     pos_weight.shape[1])
+    checked = _check_id_ranges(tokens, segments, positions, token_weight.shape[0], segment_weight.shape[0],
+                               pos_weight.shape[1])
+    lookup = F.embedding if checked else _guarded_lookup
     dtype = token_weight.dtype
     acc = compute_dtype(dtype)
-    pos = pos_weight[0, : tokens.shape[-1]] if positions is None else F.embedding(positions, pos_weight[0])
+    pos = pos_weight[0, : tokens.shape[-1]] if positions is None else lookup(positions, pos_weight[0])
     # A fresh contiguous tensor of tokens.shape + (H,) whatever the ids' strides; summed in place.
-    out = as_dtype(F.embedding(tokens, token_weight), acc)
-    out.add_(as_dtype(F.embedding(segments, segment_weight), acc)).add_(as_dtype(pos, acc))
+    out = as_dtype(lookup(tokens, token_weight), acc)
+    out.add_(as_dtype(lookup(segments, segment_weight), acc)).add_(as_dtype(pos, acc))
     return as_dtype(out, dtype)
 
 
@@ -527,12 +542,14 @@ def _embedding_sum_bwd_cpu(grad_out, tokens, segments, positions, n_tokens, n_se
                            learn_pos_embedding, deterministic):
     # index_add_ on the CPU is deterministic, so `deterministic` changes nothing here.
     _check_bwd_inputs(grad_out, tokens, segments, positions, n_tokens, n_segments, max_len)
-    _check_id_ranges(tokens, segments, positions, n_tokens, n_segments, max_len)
+    checked = _check_id_ranges(tokens, segments, positions, n_tokens, n_segments, max_len)
     dtype, hidden = grad_out.dtype, grad_out.shape[-1]
     acc = compute_dtype(dtype)
     grad_rows = as_dtype(grad_out.reshape(-1, hidden), acc)
 
     def scatter(ids, rows):
+        if not checked:
+            return as_dtype(_guarded_index_add(grad_rows, ids, rows), dtype)
         return as_dtype(grad_rows.new_zeros(rows, hidden).index_add_(0, ids.reshape(-1), grad_rows), dtype)
 
     token_grad, segment_grad = scatter(tokens, n_tokens), scatter(segments, n_segments)
@@ -702,9 +719,10 @@ def embedding_sum(tokens, segments, token_weight, segment_weight, pos_weight, *,
       - On the CPU (every backend: F.embedding for torch, the PyTorch CPU kernels for triton,
         the C++ op for cuda), forward and backward raise IndexError naming the ids, the first
         bad id, its flat index and the range [0, rows). The ids are on the host, so this costs
-        no sync. Compiled, the triton and cuda backends' registered ops do the same.
-      - The torch backend compiled (CPU and CUDA, every torch version): guarded lookups, as the
-        Triton kernels below (the ids cannot be read while tracing).
+        no sync. Compiled, the cuda backend's registered op (opaque to Inductor) does the same.
+      - Compiled, the torch backend (CPU and CUDA) and the triton backend's CPU kernel (which
+        torch.compile traces into, as every triton_op): guarded lookups and scatters, as the
+        Triton kernels below (the ids cannot be read while tracing), on every torch version.
       - The Triton kernels (CUDA) guard: an out-of-range id's table adds zeros to that row in
         the forward (a masked load, from a clamped address), and that row adds nothing to that
         table's gradient in the backward (masked atomics; the deterministic reduction maps such
