@@ -108,6 +108,8 @@ def _guarded_lookup(ids, table, padding_idx=None):
     range. Compiled, a plain lookup of such an id is Inductor's problem: torch 2.13 asserts (an
     abort on CUDA), torch 2.11 reads outside the table unchecked."""
     rows = table.shape[0]
+    # Contiguous ids: the result then has F.embedding's layout (where() follows its inputs').
+    ids = ids.contiguous()
     inside = ((ids >= 0) & (ids < rows)).unsqueeze(-1)
     return torch.where(inside, F.embedding(ids.clamp(0, rows - 1), table, padding_idx), 0)
 
