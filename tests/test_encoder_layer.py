@@ -1,7 +1,8 @@
-"""ops.encoder_layer: a training layer as one autograd node (eager, triton and cuda backends).
+"""ops.encoder_layer: a layer in one call (eager, triton and cuda backends): one autograd node
+in training, the launchers alone in inference.
 
 It must give what the per-op path gives (same launchers, same dropout draws) for values and
-every gradient, so each test runs one block both ways: the fused node, and the per-op path
+every gradient, so each test runs one block both ways: the fused layer, and the per-op path
 forced by a no-op forward hook on the attention submodule (a hook is one of the things the
 fused path refuses to bypass). CPU: the CPU kernels; with ``kernels_on_cpu()`` the Triton
 launchers in the interpreter (the GPU's path); on a GPU the same comparison in fp32 and bf16.
@@ -58,6 +59,35 @@ def fused_and_per_op(block, x, valid_lens, grad_out):
     return fused, per_op
 
 
+@contextlib.contextmanager
+def counting_fused_calls(monkeypatch):
+    """Within: the calls of ops.encoder_layer (what the block calls for a fused layer) counted."""
+    calls = []
+    fused = ops.encoder_layer
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return fused(*args, **kwargs)
+    with monkeypatch.context() as patch:
+        patch.setattr(ops, "encoder_layer", spy)
+        yield calls
+
+
+def infer_fused_and_per_op(block, x, valid_lens, monkeypatch, grad_mode=torch.inference_mode, seed=0):
+    """The block's output without autograd, through the fused layer and through the per-op path."""
+    outputs = []
+    for hooked in (False, True):
+        handle = block.attention.register_forward_hook(lambda *args: None) if hooked else None
+        torch.manual_seed(seed)
+        with counting_fused_calls(monkeypatch) as calls, grad_mode():
+            outputs.append(block(x, valid_lens))
+        if handle is not None:
+            handle.remove()
+        assert len(calls) == (0 if hooked else 1), f"hooked={hooked}: {len(calls)} fused calls"
+        assert outputs[-1].grad_fn is None
+    return outputs
+
+
 def assert_same(fused, per_op, atol, rtol=0.0):
     assert_close(fused[0], per_op[0], atol=atol, rtol=rtol, what="output")
     assert fused[2].keys() == per_op[2].keys()
@@ -84,6 +114,31 @@ def test_fused_layer_matches_the_per_op_path(backend, valid_lens, activation, us
     block = make_block(backend, use_bias=use_bias, activation=activation)
     x, grad_out = inputs()
     assert_same(*fused_and_per_op(block, x, valid_lens, grad_out), atol=1e-5)
+
+
+@pytest.mark.parametrize("activation, use_bias", [("relu", False), ("gelu", True), ("gelu_tanh", True)])
+@pytest.mark.parametrize("valid_lens", list(VALID_LENS.values()), ids=list(VALID_LENS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_inference_matches_the_per_op_path(backend, valid_lens, activation, use_bias, monkeypatch):
+    block = make_block(backend, use_bias=use_bias, activation=activation).eval()
+    x, _ = inputs()
+    fused, per_op = infer_fused_and_per_op(block, x, valid_lens, monkeypatch)
+    assert_close(fused, per_op, atol=1e-5, rtol=0, what="output")
+    # The packed QKV weight read in place, or concatenated: the same output.
+    for linear in (block.attention.W_q, block.attention.W_k, block.attention.W_v):
+        linear.weight = torch.nn.Parameter(linear.weight.detach().clone())
+    separate, _ = infer_fused_and_per_op(block, x, valid_lens, monkeypatch, grad_mode=torch.no_grad)
+    assert_close(separate, per_op, atol=1e-5, rtol=0, what="output, QKV not packed")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_inference_in_train_mode_draws_the_per_op_masks(backend, monkeypatch):
+    """Dropout without autograd (train mode under no_grad): the per-op path's seeds and masks."""
+    block = make_block(backend, dropout=0.3, use_bias=True)
+    x, _ = inputs()
+    fused, per_op = infer_fused_and_per_op(block, x, VALID_LENS["1d"], monkeypatch, grad_mode=torch.no_grad)
+    assert_close(fused, per_op, atol=1e-5, rtol=0, what="output")
+    assert (fused - block.eval()(x, VALID_LENS["1d"]).detach()).abs().max() > 0.1, "dropout changed nothing"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -126,12 +181,14 @@ def test_qkv_gradients_whether_packed_or_not(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_where_the_fused_layer_does_not_apply(backend):
-    """Inference, autocast and a hooked submodule take the per-op path, and the hook runs."""
+def test_where_the_fused_layer_does_not_apply(backend, monkeypatch):
+    """Autocast and a hooked submodule take the per-op path, and the hook runs; so does
+    inference under autocast."""
     block = make_block(backend)
     x, _ = inputs()
-    with torch.no_grad():
+    with counting_fused_calls(monkeypatch) as calls, torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
         assert block(x, VALID_LENS["1d"]).grad_fn is None
+    assert not calls
     x.requires_grad_()
     with torch.autocast("cpu", torch.bfloat16):
         out = block(x, VALID_LENS["1d"])
@@ -171,6 +228,19 @@ def test_fused_layer_through_the_kernels(backend, valid_lens, dropout):
     assert_same(fused, per_op, atol=1e-5)
 
 
+@needs_kernels
+@pytest.mark.skipif(torch.cuda.is_available() or not interpreting(), reason="interpreter only; GPU test below")
+@pytest.mark.parametrize("valid_lens", list(VALID_LENS.values()), ids=list(VALID_LENS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_inference_through_the_kernels(backend, valid_lens, monkeypatch):
+    block = make_block(backend, use_bias=True, activation="gelu").eval()
+    x, _ = inputs()
+    with kernels_on_cpu():
+        key_mask = ops.prepare_key_mask(valid_lens, L, backend)
+        fused, per_op = infer_fused_and_per_op(block, x, key_mask, monkeypatch)
+    assert_close(fused, per_op, atol=1e-5, rtol=0, what="output")
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if BF16_OK else []), ids=str)
 @pytest.mark.parametrize("valid_lens", list(VALID_LENS.values()), ids=list(VALID_LENS))
@@ -182,3 +252,16 @@ def test_gpu_fused_layer_matches_the_per_op_path(backend, valid_lens, dtype):
     fused, per_op = fused_and_per_op(block, x, valid_lens, grad_out)
     # bf16: the two paths round the same values, but the GEMMs' reduction order may differ.
     assert_same(fused, per_op, atol=1e-4 if dtype == torch.float32 else 3e-2, rtol=0 if dtype == torch.float32 else 2e-2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if BF16_OK else []), ids=str)
+@pytest.mark.parametrize("valid_lens", list(VALID_LENS.values()), ids=list(VALID_LENS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gpu_fused_inference_matches_the_per_op_path(backend, valid_lens, dtype, monkeypatch):
+    block = make_block(backend, use_bias=True, device="cuda", dtype=dtype).eval()
+    x, _ = inputs("cuda", dtype)
+    valid_lens = None if valid_lens is None else valid_lens.cuda()
+    fused, per_op = infer_fused_and_per_op(block, x, valid_lens, monkeypatch)
+    assert_close(fused, per_op, atol=1e-4 if dtype == torch.float32 else 3e-2,
+                 rtol=0 if dtype == torch.float32 else 2e-2, what="output")

@@ -1,4 +1,5 @@
-"""One post-norm encoder layer under autograd, eager: a single autograd node.
+"""One post-norm encoder layer in one call, eager: a single autograd node in training, the
+launchers alone in inference.
 
 Training through the per-op path records ~26 autograd nodes a layer (the QKV concatenation,
 each linear's view/transpose/addmm nodes, the attention's split and merge, three Functions)
@@ -14,7 +15,11 @@ with the residual gradients folded into the GEMMs (``addmm(d_residual, d_z, W)``
 packed QKV weight's gradient computed once and handed to W_q, W_k, W_v as three slices (no
 concatenation node). Saved tensors are what the per-op path saves, nothing more.
 
-Where it applies (``applies``): eager, autograd recording, backends triton and cuda, padded
+Without autograd (inference) the same forward runs with nothing saved: the per-op path's host
+work between the launches (four submodule calls, each op's backend and autograd decisions, the
+packed QKV lookup) is paid once per layer instead of once per op.
+
+Where it applies (FastEncoderBlock._fused_layer): eager, backends triton and cuda, padded
 self-attention (skip_padding keeps the per-op path), no autocast, no functorch transform, and
 the block's submodules the plain fast ones without hooks. torch.compile traces the per-op
 registered ops instead (Inductor fuses across them itself). Attention: the Triton kernels on
@@ -25,11 +30,12 @@ attention (``_scaled_dot_product_flash_attention_for_cpu`` and its backward: wha
 from typing import NamedTuple, Optional
 
 import torch
+from torch.nn import functional as F
 
 from .add_layernorm import _add_layernorm_bwd, _add_layernorm_fwd, _ext_bwd, _ext_fwd
 from .attention import _attention_bwd, _attention_fwd, _runs_kernel, key_mask as _key_mask
 from .bias_act import _bias_act_bwd, _bias_act_fwd
-from ._autograd import once_differentiable, thin_apply
+from ._autograd import once_differentiable, records_grad, thin_apply
 from ._philox import dropout_seed
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -45,11 +51,6 @@ class LayerSpec(NamedTuple):
     eps1: float
     eps2: float
     extension: bool           # backend "cuda": the extension's add_layernorm
-
-
-def _linear(x, weight, bias):
-    """(rows, in) x (out, in)^T (+ bias): one GEMM call."""
-    return torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
 
 
 def _packed(parts, view):
@@ -113,51 +114,60 @@ def _layernorm_ops(extension):
     return (_ext_fwd, _ext_bwd) if extension else (_add_layernorm_fwd, _add_layernorm_bwd)
 
 
-class _EncoderLayer(torch.autograd.Function):
-    """The layer above as one node; see the module docstring."""
-
-    @staticmethod
-    def forward(ctx, spec, key_mask, packed, x, w_q, w_k, w_v, b_q, b_k, b_v, w_o, b_o, ln1_w, ln1_b,
-                w_1, b_1, w_2, b_2, ln2_w, ln2_b):
-        batch, seqlen, hidden = x.shape
-        p = spec.dropout_p
-        ln_fwd, _ = _layernorm_ops(spec.extension)
-        rows = x.reshape(-1, hidden)
-        w_qkv, b_qkv = _packed((w_q, w_k, w_v), packed[0]), _packed((b_q, b_k, b_v), packed[1])
-        qkv = _linear(rows, w_qkv, b_qkv).view(batch, seqlen, 3 * hidden)
-        # Seeds in the per-op path's order (attention, then the two dropouts of the add-norms).
-        seeds = tuple(dropout_seed(p, x.device) for _ in range(3))
-        context, attention_saved = _attention_forward(qkv, key_mask, spec.num_heads, p, seeds[0])
-        context = context.reshape(-1, hidden)
-        projected = _linear(context, w_o, b_o)
-        y, mean1, rstd1 = ln_fwd(projected, rows, ln1_w, ln1_b, spec.eps1, seeds[1], p)
-        if spec.activation == "relu":
-            # The GEMM's ReLU epilogue (bias in the fp32 accumulator); its output is the mask.
-            h = torch._addmm_activation(b_1, y, w_1.t()) if b_1 is not None else torch.relu(torch.mm(y, w_1.t()))
-            act_saved = h
-        else:
-            z = torch.mm(y, w_1.t())
-            h = _bias_act_fwd(z, b_1, spec.activation)
-            act_saved = z
-        f = _linear(h, w_2, b_2)
-        # On x's shape: the output is then the kernel's fresh tensor, not a view of it (a view
-        # made inside a Function could not be edited in place, which the reference's output can).
-        out, mean2, rstd2 = ln_fwd(f.view(x.shape), y.view(x.shape), ln2_w, ln2_b, spec.eps2, seeds[2], p)
-        ctx.save_for_backward(rows, w_qkv, qkv, context, projected, y, act_saved, h, f,
+def _layer_forward(spec, key_mask, packed, x, params, ctx=None):
+    """The layer's output for x (B, L, H); with ``ctx`` (_EncoderLayer's forward) it also keeps
+    what the backward needs. Without, nothing is kept: inference frees each intermediate as
+    the per-op path does."""
+    (w_q, w_k, w_v, b_q, b_k, b_v, w_o, b_o, ln1_w, ln1_b, w_1, b_1, w_2, b_2, ln2_w, ln2_b) = params
+    p = spec.dropout_p
+    ln_fwd, _ = _layernorm_ops(spec.extension)
+    w_qkv, b_qkv = _packed((w_q, w_k, w_v), packed[0]), _packed((b_q, b_k, b_v), packed[1])
+    # (B, L, .) throughout where a GEMM allows: F.linear takes them as they are, which saves the
+    # host a reshape and a view per GEMM (the backward makes the 2-D views it needs).
+    qkv = F.linear(x, w_qkv, b_qkv)
+    # Seeds in the per-op path's order (attention, then the two dropouts of the add-norms).
+    seeds = tuple(dropout_seed(p, x.device) for _ in range(3)) if p > 0.0 else (None,) * 3
+    context, attention_saved = _attention_forward(qkv, key_mask, spec.num_heads, p, seeds[0])
+    projected = F.linear(context, w_o, b_o)
+    y, mean1, rstd1 = ln_fwd(projected, x, ln1_w, ln1_b, spec.eps1, seeds[1], p)
+    rows = y.view(-1, y.shape[-1])
+    if spec.activation == "relu":
+        # The GEMM's ReLU epilogue (bias in the fp32 accumulator); its output is the mask.
+        h = torch._addmm_activation(b_1, rows, w_1.t()) if b_1 is not None else torch.relu(torch.mm(rows, w_1.t()))
+        act_saved = h
+    else:
+        z = torch.mm(rows, w_1.t())
+        h = _bias_act_fwd(z, b_1, spec.activation)
+        act_saved = z
+    f = F.linear(h, w_2, b_2)
+    # On x's shape: the output is then the kernel's fresh tensor, not a view of it (a view
+    # made inside a Function could not be edited in place, which the reference's output can).
+    out, mean2, rstd2 = ln_fwd(f.view(x.shape), y, ln2_w, ln2_b, spec.eps2, seeds[2], p)
+    if ctx is not None:
+        ctx.save_for_backward(x, w_qkv, qkv, context, projected, y, act_saved, h, f,
                               w_o, ln1_w, w_1, b_1, w_2, ln2_w)
         # Intermediates that are neither inputs nor outputs may sit on ctx (no SavedVariable).
         ctx.extras = (key_mask, attention_saved, seeds, (mean1, rstd1, mean2, rstd2))
         ctx.spec, ctx.biases = spec, tuple(b is not None for b in (b_qkv, b_o, ln1_b, ln2_b))
-        return out
+    return out
+
+
+class _EncoderLayer(torch.autograd.Function):
+    """The layer above as one node; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, spec, key_mask, packed, x, *params):
+        return _layer_forward(spec, key_mask, packed, x, params, ctx)
 
     @staticmethod
     @once_differentiable("the fused encoder layer", "bert_fast::add_layernorm_bwd")
     def backward(ctx, grad_out):
-        (rows, w_qkv, qkv, context, projected, y, act_saved, h, f,
+        (x, w_qkv, qkv, context, projected, y, act_saved, h, f,
          w_o, ln1_w, w_1, b_1, w_2, ln2_w) = ctx.saved_tensors
         key_mask, attention_saved, seeds, (mean1, rstd1, mean2, rstd2) = ctx.extras
         spec, (has_b_qkv, has_b_o, has_ln1_b, has_ln2_b) = ctx.spec, ctx.biases
-        p, hidden = spec.dropout_p, rows.shape[-1]
+        p, hidden = spec.dropout_p, x.shape[-1]
+        rows, context, projected, y = (t.reshape(-1, hidden) for t in (x, context, projected, y))
         needs = ctx.needs_input_grad
         _, ln_bwd = _layernorm_ops(spec.extension)
 
@@ -200,5 +210,8 @@ def encoder_layer(spec, x, key_mask, params, packed=(None, None)):
     """The layer's output for x (B, L, H). ``params``: W_q, W_k, W_v, b_q, b_k, b_v, W_o, b_o,
     LN1 weight and bias, W_1, b_1, W_2, b_2, LN2 weight and bias (biases may be None).
     ``packed``: the QKV weight and bias as views of the Parameters' memory where they lie back
-    to back (else None: concatenated here)."""
-    return thin_apply(_EncoderLayer, spec, key_mask, packed, x, *params)
+    to back (else None: concatenated here). One autograd node where autograd records, else
+    the launchers alone."""
+    if records_grad(x, *params):
+        return thin_apply(_EncoderLayer, spec, key_mask, packed, x, *params)
+    return _layer_forward(spec, key_mask, packed, x, params)
