@@ -555,40 +555,57 @@ class _ModuleSnapshot:
 
 class _Bucket(collections.namedtuple("_Bucket", "batch seqlen num_tokens lengths_shape lengths_dtype")):
     """The padded shapes a graph runs: B_b, L_b, N_b (skip_padding, else None), and the shape
-    and dtype of its valid_lens buffer."""
+    and dtype of its lengths buffer (an encoder's valid_lens, an HF model's attention mask)."""
+
+
+def _tensors(output):
+    """The tensors of a forward's output (one tensor, or a tuple that may hold None)."""
+    items = output if isinstance(output, tuple) else (output,)
+    return [t for t in items if t is not None]
 
 
 class _BucketGraph:
     """One captured bucket: the graph, the static buffers it reads and the output it writes.
-    ``filled``: the (B, L) the buffers hold (the rest is zeros); ``full_lengths``: the valid_lens
-    buffer holds full lengths L for B rows (what None turns into), so the next such call of the
-    same B and L writes nothing there."""
+    ``buffers``: the call's three inputs (ids, segments, lengths; see _Calls) padded to the
+    bucket. ``filled``: the (B, L) they hold (the rest is zeros); ``defaults``: the indices of
+    the inputs last given as None whose default the buffers hold for that B and L, so the next
+    such call writes nothing there."""
 
-    def __init__(self, tokens, segments, valid_lens):
-        self.tokens, self.segments, self.valid_lens = tokens, segments, valid_lens
+    def __init__(self, buffers):
+        self.buffers = buffers
         self.graph = self.output = None
-        self.filled = None
-        self.full_lengths = False
+        self.filled, self.defaults = None, set()
 
-    def fill(self, tokens, segments, valid_lens, clamp):
-        batch, seqlen = tokens.shape
+    def _default(self, index, region, value):
+        if index not in self.defaults:
+            region.fill_(value)
+            self.defaults.add(index)
+
+    def fill(self, inputs, full_lengths, clamp):
+        """Copy the inputs into the buffers' top-left corner: None segments are zeros, None lengths
+        ``full_lengths`` (every token valid); ``clamp`` caps the lengths at L."""
+        ids, segments, lengths = inputs
+        batch, seqlen = ids.shape
         if self.filled != (batch, seqlen):
             if self.filled is not None:    # a smaller call must not leave ids or lengths behind
-                for buffer in (self.tokens, self.segments, self.valid_lens):
+                for buffer in self.buffers:
                     buffer.zero_()
-            self.filled, self.full_lengths = (batch, seqlen), False
-        self.tokens[:batch, :seqlen].copy_(tokens)
-        self.segments[:batch, :seqlen].copy_(segments)
-        if valid_lens is None:
-            if not self.full_lengths:
-                self.valid_lens[:batch].fill_(seqlen)
-                self.full_lengths = True
+            self.filled, self.defaults = (batch, seqlen), set()
+        id_buffer, segment_buffer, length_buffer = self.buffers
+        id_buffer[:batch, :seqlen].copy_(ids)
+        if segments is None:
+            self._default(1, segment_buffer[:batch, :seqlen], 0)
+        else:
+            segment_buffer[:batch, :seqlen].copy_(segments)
+            self.defaults.discard(1)
+        region = length_buffer[:batch] if length_buffer.dim() == 1 else length_buffer[:batch, :seqlen]
+        if lengths is None:
+            self._default(2, region, full_lengths)
             return
-        lengths = self.valid_lens[:batch] if valid_lens.dim() == 1 else self.valid_lens[:batch, :seqlen]
-        lengths.copy_(valid_lens)
-        self.full_lengths = False
+        region.copy_(lengths)
+        self.defaults.discard(2)
         if clamp:                          # padded keys invisible: float32(j) < L <= j
-            lengths.clamp_(max=seqlen)
+            region.clamp_(max=seqlen)
 
 
 class _EncoderGraphs:
@@ -611,7 +628,7 @@ class _EncoderGraphs:
         another one since (a no-op when it is the same stream)."""
         if self.stream is not None:
             with torch.inference_mode():     # the output is an inference tensor; record_stream's schema mutates
-                for t in (entry.tokens, entry.segments, entry.valid_lens, entry.output):
+                for t in (*entry.buffers, *_tensors(entry.output)):
                     t.record_stream(self.stream)
 
     def evict_least_recent(self):
@@ -669,15 +686,15 @@ def _fall_back(encoder, state, reason, **details):
                       CudaGraphFallbackWarning, stacklevel=_caller_stacklevel())
 
 
-def _eager(encoder, state, reason, inputs, **details):
-    _fall_back(encoder, state, reason, **details)
-    return encoder._forward(*inputs)
+def _eager(calls, state, reason, inputs, **details):
+    _fall_back(calls.module, state, reason, **details)
+    return calls.eager(inputs)
 
 
-def _eager_checked(encoder, inputs):
+def _eager_checked(calls, inputs):
     """The eager forward of inputs validated already (no second input check)."""
-    with _module_checks_off(encoder):
-        return encoder._forward(*inputs)
+    with calls.checks_off():
+        return calls.eager(inputs)
 
 
 def _is_ids(t):
@@ -685,25 +702,11 @@ def _is_ids(t):
         and t.dtype != torch.bool
 
 
-def _understood(tokens, segments, valid_lens):
-    """Whether the inputs have the forms graphed_forward pads (else the eager forward runs and
-    raises its own error, or does what it does with them)."""
-    if not (_is_ids(tokens) and _is_ids(segments) and segments.shape == tokens.shape
-            and segments.device == tokens.device and tokens.numel() > 0):
-        return False
-    if valid_lens is None:
-        return True
-    return (isinstance(valid_lens, torch.Tensor) and valid_lens.device == tokens.device
-            and valid_lens.dtype != torch.bool and not valid_lens.is_complex()
-            and valid_lens.shape in (tokens.shape[:1], tokens.shape))
-
-
-def _settings(encoder, device):
-    """What the captured kernels depend on beyond the shapes: the encoder's dtype, backend and
-    mode, and the global switches read while launching (matmul precision, SDPA backends)."""
+def _global_settings():
+    """The global switches the kernels read while launching (matmul precision, SDPA backends):
+    part of every key."""
     cuda = torch.backends.cuda
-    return (encoder.pos_embedding.dtype, backend_for(encoder.backend, device), bool(encoder.skip_padding),
-            torch.get_float32_matmul_precision(), cuda.matmul.allow_fp16_reduced_precision_reduction,
+    return (torch.get_float32_matmul_precision(), cuda.matmul.allow_fp16_reduced_precision_reduction,
             cuda.matmul.allow_bf16_reduced_precision_reduction, cuda.flash_sdp_enabled(),
             cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled(), cuda.cudnn_sdp_enabled())
 
@@ -727,30 +730,129 @@ def _needs_clamp(dtype, seqlen, padded_seqlen):
     return dtype.is_floating_point or torch.iinfo(dtype).max > seqlen
 
 
-def _plan(encoder, tokens, valid_lens):
-    """The bucket of a call; at most one host read (see the module docstring)."""
-    batch, seqlen = tokens.shape
-    padded_batch = bucket_batch(batch)
-    padded_seqlen = bucket_seqlen(seqlen, encoder.pos_embedding.shape[1])
-    num_tokens = None
-    if encoder.skip_padding:
+class _Calls:
+    """What graphed() needs to know of a module: its inputs are (ids, segments, lengths) with
+    ids (B, L) and the others None or tensors; the methods below say which calls it can graph,
+    how they are bucketed and padded, what the eager forward is, and what the output is.
+    _EncoderCalls (FastBERTEncoder) and bert_fast.hf's (an HF BertModel) implement it."""
+
+    lengths_name = "lengths"
+
+    def __init__(self, module):
+        self.module = module
+
+    def eager(self, inputs, **static):
+        """The eager forward; ``static`` (num_tokens=N_b) is what a capture passes."""
+        raise NotImplementedError
+
+    def checks_off(self):
+        """A context without the module's own input check (its host sync cannot be captured)."""
+        return contextlib.nullcontext()
+
+    def understood(self, inputs):
+        """Whether the inputs have the forms graphed() pads (else the eager forward runs)."""
+        raise NotImplementedError
+
+    def graphable(self, inputs):
+        """False for calls the eager forward must answer (e.g. it raises what is wrong)."""
+        return True
+
+    def validate(self, inputs):
+        """The module's input check, eagerly before a replay."""
+
+    def plan(self, inputs):
+        """The call's _Bucket (at most one host read)."""
+        raise NotImplementedError
+
+    def settings(self, device):
+        """What the captured work depends on beyond the shapes, global switches and ids' dtypes."""
+        raise NotImplementedError
+
+    def fill_args(self, bucket, inputs):
+        """(what None lengths become, whether to clamp given lengths at L): _BucketGraph.fill's."""
+        raise NotImplementedError
+
+    def result(self, output, batch, seqlen):
+        """The call's output from the graph's (padded, overwritten by the next replay)."""
+        raise NotImplementedError
+
+
+def _sliced(t, batch, seqlen=None):
+    """A fresh copy of the call's rows (and positions) of a static output."""
+    t = t[:batch] if seqlen is None else t[:batch, :seqlen]
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+class _EncoderCalls(_Calls):
+    """FastBERTEncoder: inputs (tokens, segments, valid_lens), the forward ``_forward``."""
+
+    lengths_name = "valid_lens"
+
+    def eager(self, inputs, **static):
+        return self.module._forward(*inputs, **static)
+
+    def checks_off(self):
+        return _module_checks_off(self.module)
+
+    def understood(self, inputs):
+        tokens, segments, valid_lens = inputs
+        if not (_is_ids(tokens) and _is_ids(segments) and segments.shape == tokens.shape
+                and segments.device == tokens.device and tokens.numel() > 0):
+            return False
         if valid_lens is None:
-            count = batch * seqlen
-        else:
-            positions = torch.arange(seqlen, dtype=torch.float32, device=valid_lens.device)
-            count = int((positions < valid_lens[:, None]).sum())       # the one host read
-        num_tokens = bucket_tokens(count, padded_batch * padded_seqlen)
-    elif valid_lens is not None and padded_seqlen > seqlen and not bool((valid_lens > 0).all()):
-        padded_seqlen = seqlen     # a row that sees no key attends to all L keys: keep L exact
-    dtype = _lengths_dtype(valid_lens)
-    shape = (padded_batch,) if valid_lens is None or valid_lens.dim() == 1 else (padded_batch, padded_seqlen)
-    return _Bucket(padded_batch, padded_seqlen, num_tokens, shape, dtype)
+            return True
+        return (isinstance(valid_lens, torch.Tensor) and valid_lens.device == tokens.device
+                and valid_lens.dtype != torch.bool and not valid_lens.is_complex()
+                and valid_lens.shape in (tokens.shape[:1], tokens.shape))
+
+    def graphable(self, inputs):
+        tokens, _, valid_lens = inputs
+        encoder = self.module
+        return not ((encoder.skip_padding and valid_lens is not None and valid_lens.dim() != 1)
+                    or tokens.shape[1] > encoder.pos_embedding.shape[1]
+                    or encoder.pos_embedding.device != tokens.device)
+
+    def validate(self, inputs):
+        if self.module.check_inputs:
+            self.module.validate_inputs(*inputs)
+
+    def plan(self, inputs):
+        tokens, _, valid_lens = inputs
+        encoder = self.module
+        batch, seqlen = tokens.shape
+        padded_batch = bucket_batch(batch)
+        padded_seqlen = bucket_seqlen(seqlen, encoder.pos_embedding.shape[1])
+        num_tokens = None
+        if encoder.skip_padding:
+            if valid_lens is None:
+                count = batch * seqlen
+            else:
+                positions = torch.arange(seqlen, dtype=torch.float32, device=valid_lens.device)
+                count = int((positions < valid_lens[:, None]).sum())       # the one host read
+            num_tokens = bucket_tokens(count, padded_batch * padded_seqlen)
+        elif valid_lens is not None and padded_seqlen > seqlen and not bool((valid_lens > 0).all()):
+            padded_seqlen = seqlen     # a row that sees no key attends to all L keys: keep L exact
+        dtype = _lengths_dtype(valid_lens)
+        shape = (padded_batch,) if valid_lens is None or valid_lens.dim() == 1 else (padded_batch, padded_seqlen)
+        return _Bucket(padded_batch, padded_seqlen, num_tokens, shape, dtype)
+
+    def settings(self, device):
+        encoder = self.module
+        return (encoder.pos_embedding.dtype, backend_for(encoder.backend, device), bool(encoder.skip_padding))
+
+    def fill_args(self, bucket, inputs):
+        tokens, _, valid_lens = inputs
+        seqlen = tokens.shape[1]
+        return seqlen, valid_lens is not None and _needs_clamp(bucket.lengths_dtype, seqlen, bucket.seqlen)
+
+    def result(self, output, batch, seqlen):
+        return _sliced(output, batch, seqlen)
 
 
-def _describe_bucket(bucket):
+def _describe_bucket(bucket, lengths_name):
     tokens = "" if bucket.num_tokens is None else f", num_tokens {bucket.num_tokens}"
-    return (f"(batch {bucket.batch}, seq_len {bucket.seqlen}{tokens}, valid_lens {tuple(bucket.lengths_shape)} "
-            f"{bucket.lengths_dtype})")
+    return (f"(batch {bucket.batch}, seq_len {bucket.seqlen}{tokens}, {lengths_name} "
+            f"{tuple(bucket.lengths_shape)} {bucket.lengths_dtype})")
 
 
 def _max_graphs(encoder):
@@ -761,25 +863,26 @@ def _max_graphs(encoder):
     return limit
 
 
-def _capture(encoder, state, key, bucket, inputs, clamp, limit):
+def _capture(calls, state, key, bucket, inputs, limit):
     """Capture ``key``'s graph (evicting the least recently used down to ``limit`` - 1) and keep
     it; returns the entry. Raises what warmup or capture raised; nothing is kept then."""
     while len(state.graphs) >= limit:
         state.evict_least_recent()
-    tokens, segments, _ = inputs
-    device = tokens.device
+    ids, segments, _ = inputs
+    device = ids.device
+    shape = (bucket.batch, bucket.seqlen)
     # Ordinary tensors even in inference mode: every call copies into them (see capture_encoder).
     with torch.inference_mode(False):
-        entry = _BucketGraph(torch.zeros((bucket.batch, bucket.seqlen), dtype=tokens.dtype, device=device),
-                             torch.zeros((bucket.batch, bucket.seqlen), dtype=segments.dtype, device=device),
-                             torch.zeros(bucket.lengths_shape, dtype=bucket.lengths_dtype, device=device))
-        entry.fill(*inputs, clamp)
-    static = (entry.tokens, entry.segments, entry.valid_lens)
+        entry = _BucketGraph((torch.zeros(shape, dtype=ids.dtype, device=device),
+                              torch.zeros(shape, dtype=(ids if segments is None else segments).dtype, device=device),
+                              torch.zeros(bucket.lengths_shape, dtype=bucket.lengths_dtype, device=device)))
+        entry.fill(inputs, *calls.fill_args(bucket, inputs))
+    static = entry.buffers
     extra = {} if bucket.num_tokens is None else {"num_tokens": bucket.num_tokens}
 
     def run():
-        with _module_checks_off(encoder):      # its host sync cannot be captured
-            return encoder._forward(*static, **extra)
+        with calls.checks_off():      # its host sync cannot be captured
+            return calls.eager(static, **extra)
 
     if state.pool is None:
         state.pool = _steps.new_pool(device)
@@ -790,21 +893,22 @@ def _capture(encoder, state, key, bucket, inputs, clamp, limit):
     return entry
 
 
-def graphed_forward(encoder, tokens, segments, valid_lens=None):
-    """FastBERTEncoder's forward with ``cuda_graphs=True``: replay the CUDA graph of the call's
-    shape bucket, capturing it on the bucket's first call; the eager ``encoder._forward`` where
-    graphs do not apply. See the module docstring."""
-    inputs = (tokens, segments, valid_lens)
-    if torch.compiler.is_compiling() or torch.jit.is_tracing() or not _understood(*inputs):
-        return encoder._forward(*inputs)
-    state = _state_of(encoder)
-    device = tokens.device
+def graphed(calls, inputs):
+    """The forward of ``calls.module`` with cuda_graphs on: replay the CUDA graph of the call's
+    shape bucket, capturing it on the bucket's first call; the eager forward where graphs do
+    not apply. ``calls``: a _Calls for the module. See the module docstring."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or not calls.understood(inputs):
+        return calls.eager(inputs)
+    module = calls.module
+    state = _state_of(module)
+    ids, segments, _ = inputs
+    device = ids.device
     if not _steps.supports(device):
-        return _eager(encoder, state, "device", inputs, device=device)
+        return _eager(calls, state, "device", inputs, device=device)
     if _steps.capturing(device):
-        return encoder._forward(*inputs)        # the outer capture records the eager forward
-    if encoder.training:
-        return _eager(encoder, state, "training", inputs)
+        return calls.eager(inputs)        # the outer capture records the eager forward
+    if module.training:
+        return _eager(calls, state, "training", inputs)
     snapshot = state.snapshot
     problem = snapshot.check() if snapshot is not None else "changed"
     if problem == "changed":
@@ -812,39 +916,36 @@ def graphed_forward(encoder, tokens, segments, valid_lens=None):
             state.stats["invalidations"] += 1
         state.drop_graphs()
         try:
-            snapshot = state.snapshot = _ModuleSnapshot(encoder)
+            snapshot = state.snapshot = _ModuleSnapshot(module)
         except TypeError as error:
             state.snapshot = None
-            return _eager(encoder, state, "parameters", inputs, detail=error)
+            return _eager(calls, state, "parameters", inputs, detail=error)
         problem = snapshot.check()
     if problem == "training":
-        return _eager(encoder, state, "training", inputs)
+        return _eager(calls, state, "training", inputs)
     if torch.is_grad_enabled() and any(p.requires_grad for p in snapshot.params):
-        return _eager(encoder, state, "autograd", inputs)
-    seqlen = tokens.shape[1]
-    if ((encoder.skip_padding and valid_lens is not None and valid_lens.dim() != 1)
-            or seqlen > encoder.pos_embedding.shape[1] or encoder.pos_embedding.device != device):
-        return encoder._forward(*inputs)        # not graphable as asked: eager raises what is wrong
+        return _eager(calls, state, "autograd", inputs)
+    if not calls.graphable(inputs):
+        return calls.eager(inputs)
 
-    if encoder.check_inputs:
-        encoder.validate_inputs(*inputs)
-    bucket = _plan(encoder, tokens, valid_lens)
-    key = (bucket, tokens.dtype, segments.dtype, device, _settings(encoder, device))
+    calls.validate(inputs)
+    bucket = calls.plan(inputs)
+    segments_dtype = (ids if segments is None else segments).dtype
+    key = (bucket, ids.dtype, segments_dtype, device, calls.settings(device) + _global_settings())
     if key in state.failed:
         state.stats["eager_capture"] += 1
-        return _eager_checked(encoder, inputs)
-    clamp = valid_lens is not None and _needs_clamp(bucket.lengths_dtype, seqlen, bucket.seqlen)
+        return _eager_checked(calls, inputs)
     with torch.no_grad():      # a float valid_lens that requires grad must not reach the buffers' autograd
         entry = state.graphs.get(key)
         if entry is not None:
             state.graphs.move_to_end(key)
             state.stream = _steps.order_after(state.stream, device)
-            entry.fill(tokens, segments, valid_lens, clamp)
+            entry.fill(inputs, *calls.fill_args(bucket, inputs))
         else:
-            limit = _max_graphs(encoder)
+            limit = _max_graphs(module)
             state.stream = _steps.order_after(state.stream, device)
             try:
-                entry = _capture(encoder, state, key, bucket, inputs, clamp, limit)
+                entry = _capture(calls, state, key, bucket, inputs, limit)
                 error = None
             except Exception as caught:
                 error = caught
@@ -852,15 +953,21 @@ def graphed_forward(encoder, tokens, segments, valid_lens=None):
                 # Eager first: if it fails too, the inputs were the problem and the bucket stays
                 # graphable (its exception propagates); else the capture was, and the bucket is
                 # not captured again.
-                out = _eager_checked(encoder, inputs)
+                out = _eager_checked(calls, inputs)
                 state.failed.add(key)
                 line = (f"{type(error).__name__}: {error}".strip().splitlines() or [type(error).__name__])[0]
-                _fall_back(encoder, state, "capture", detail=_describe_bucket(bucket), error=line[:300])
+                _fall_back(module, state, "capture", detail=_describe_bucket(bucket, calls.lengths_name),
+                           error=line[:300])
                 return out
         state.stats["replays"] += 1
         entry.graph.replay()
-        batch = tokens.shape[0]
-        return entry.output[:batch, :seqlen].clone(memory_format=torch.contiguous_format)
+        return calls.result(entry.output, *ids.shape)
+
+
+def graphed_forward(encoder, tokens, segments, valid_lens=None):
+    """FastBERTEncoder's forward with ``cuda_graphs=True``: graphed() for the encoder (the eager
+    ``encoder._forward`` where graphs do not apply). See the module docstring."""
+    return graphed(_EncoderCalls(encoder), (tokens, segments, valid_lens))
 
 
 def clear_cuda_graphs(module):
