@@ -154,14 +154,10 @@ def _convert_hf(hf, module, backend, encoder_options, path):
     skip_padding, cuda_graphs = encoder_options
     name = f"{path or 'model'} ({type(module).__name__})"
     try:
-        hf.convert(module, backend, skip_padding)
+        hf.convert(module, backend, skip_padding, cuda_graphs)
     except hf.Unsupported as why:
         warnings.warn(f"bert_fast.optimize: {name} is a Hugging Face BertModel but was left untouched: "
                       f"unsupported {why}", stacklevel=4)
-        return module
-    if cuda_graphs:
-        warnings.warn(f"bert_fast.optimize: {name}: cuda_graphs=True is not supported for Hugging Face "
-                      "models yet; it runs eagerly", stacklevel=4)
     return module
 
 

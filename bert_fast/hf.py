@@ -51,7 +51,9 @@ from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAtte
 from transformers.models.bert.modeling_bert import BertEmbeddings, BertLayer, BertModel
 
 from . import ops
-from .backend import backend_of, resolve_backend
+from .backend import backend_for, backend_of, resolve_backend
+from .cuda_graph import _Bucket, _Calls, _is_ids, _sliced, bucket_batch, bucket_seqlen, bucket_tokens, \
+    clear_cuda_graphs, graphed
 from .modules import _back_to_back_view, _linear, _packable, _QKVPacking
 from .ops.embedding_layernorm import embedding_layernorm
 
@@ -164,16 +166,17 @@ def check_supported(model):
 # ----------------------------------------------------------------------------------------------
 
 class FastBertEmbeddings(BertEmbeddings):
-    """BertEmbeddings through ops.embedding_layernorm (the HF math; past_key_values_length != 0,
+    """BertEmbeddings through ops.embedding_layernorm (the HF math; a nonzero cache length,
     inputs_embeds and a LayerNorm replaced by nn.Identity take HF's forward)."""
 
     bert_fast_backend = "auto"
 
-    def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                past_key_values_length=0):
-        if (input_ids is None or inputs_embeds is not None or past_key_values_length
+    def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None, *args, **kwargs):
+        # After inputs_embeds: the cache's length (past_key_values_length; cache_length since
+        # transformers 5.24), an offset of the positions that only a decoder's cache makes nonzero.
+        if (input_ids is None or inputs_embeds is not None or any(args) or any(kwargs.values())
                 or type(self._modules["LayerNorm"]) is not nn.LayerNorm):
-            return super().forward(input_ids, token_type_ids, position_ids, inputs_embeds, past_key_values_length)
+            return super().forward(input_ids, token_type_ids, position_ids, inputs_embeds, *args, **kwargs)
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
         batch, seqlen = input_ids.shape
@@ -327,6 +330,7 @@ class FastBertModel(BertModel):
 
     bert_fast_backend = "auto"
     bert_fast_skip_padding = False
+    bert_fast_cuda_graphs = False
 
     def _fallback_reason(self, args, kwargs, attention_mask):
         if any(a is not None for a in args):
@@ -382,6 +386,23 @@ class FastBertModel(BertModel):
             raise ValueError(f"attention_mask must have the shape of input_ids {(batch, seqlen)}, "
                              f"got {tuple(attention_mask.shape)}")
 
+        if self.bert_fast_cuda_graphs and position_ids is None and not output_hidden_states:
+            sequence_output, pooled_output = graphed(_GraphedCalls(self), (input_ids, token_type_ids, attention_mask))
+            all_hidden = None
+        else:
+            sequence_output, pooled_output, all_hidden = self._encode(
+                input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states)
+        out = BaseModelOutputWithPoolingAndCrossAttentions(
+            last_hidden_state=sequence_output, pooler_output=pooled_output,
+            hidden_states=tuple(all_hidden) if output_hidden_states else None)
+        return out if return_dict else out.to_tuple()
+
+    def _encode(self, input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states,
+                num_tokens=None):
+        """(last hidden state, pooler output, hidden states or None) of the fast path.
+        ``num_tokens`` (skip_padding): a static bound on the attended tokens instead of their
+        count read on the host (what a CUDA graph captures; see ops.unpadding_for)."""
+        seqlen = input_ids.shape[1]
         X = self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
         all_hidden = [X] if output_hidden_states else None
         valid_lens, order = self._lengths_and_order(attention_mask, X.device)
@@ -390,7 +411,7 @@ class FastBertModel(BertModel):
         backend = backend_of(self.bert_fast_backend, X)
         unpadding = None
         if self.bert_fast_skip_padding and valid_lens is not None:
-            unpadding = ops.unpadding_for(valid_lens, seqlen)
+            unpadding = ops.unpadding_for(valid_lens, seqlen, num_tokens)
             mask = FusedAttentionMask(None, unpadding, valid_lens)
             X = ops.unpad(X, unpadding)
         else:
@@ -409,10 +430,7 @@ class FastBertModel(BertModel):
                 all_hidden.append(restore_layout(X))
         sequence_output = all_hidden[-1] if output_hidden_states else restore_layout(X)
         pooled_output = self.pooler(sequence_output) if self.pooler is not None else None
-        out = BaseModelOutputWithPoolingAndCrossAttentions(
-            last_hidden_state=sequence_output, pooler_output=pooled_output,
-            hidden_states=tuple(all_hidden) if output_hidden_states else None)
-        return out if return_dict else out.to_tuple()
+        return sequence_output, pooled_output, all_hidden
 
     def _lengths_and_order(self, attention_mask, device):
         """(valid_lens (B,) or None, order (B, L) or None): see "mask" in the module docstring."""
@@ -440,6 +458,65 @@ class FastBertModel(BertModel):
             self.__class__ = FastBertModel
 
 
+class _GraphedCalls(_Calls):
+    """cuda_graph.graphed()'s view of a FastBertModel (``optimize(model, cuda_graphs=True)``):
+    inputs (input_ids, token_type_ids, attention_mask), the fast path's (last hidden state,
+    pooler output). The mask buffer is bool (nonzero = attend, as HF reads it); padded
+    positions and batch rows are masked, so a prefix mask stays a prefix and a general one
+    keeps its attended tokens (the padding sorts after them); None token types are zeros and a
+    None mask is all ones, as the eager fast path reads them."""
+
+    lengths_name = "attention_mask"
+
+    def eager(self, inputs, **static):
+        input_ids, token_type_ids, attention_mask = inputs
+        return self.module._encode(input_ids, attention_mask, token_type_ids, None, False, **static)[:2]
+
+    def understood(self, inputs):
+        input_ids, token_type_ids, attention_mask = inputs
+        if not (_is_ids(input_ids) and input_ids.numel() > 0):
+            return False
+        if token_type_ids is not None and not (_is_ids(token_type_ids) and token_type_ids.shape == input_ids.shape
+                                               and token_type_ids.device == input_ids.device):
+            return False
+        return attention_mask is None or (isinstance(attention_mask, torch.Tensor)
+                                          and attention_mask.shape == input_ids.shape
+                                          and attention_mask.device == input_ids.device
+                                          and not attention_mask.is_complex())
+
+    def _max_len(self):
+        return self.module.embeddings.position_embeddings.num_embeddings
+
+    def graphable(self, inputs):
+        positions = self.module.embeddings.position_embeddings.weight
+        return inputs[0].shape[1] <= self._max_len() and positions.device == inputs[0].device
+
+    def plan(self, inputs):
+        input_ids, _, attention_mask = inputs
+        batch, seqlen = input_ids.shape
+        padded_batch, padded_seqlen = bucket_batch(batch), bucket_seqlen(seqlen, self._max_len())
+        num_tokens = None
+        if self.module.bert_fast_skip_padding:
+            count = batch * seqlen if attention_mask is None else int((attention_mask != 0).sum())  # the host read
+            num_tokens = bucket_tokens(count, padded_batch * padded_seqlen)
+        elif (attention_mask is not None and padded_seqlen > seqlen
+              and not bool((attention_mask != 0).any(dim=1).all())):
+            padded_seqlen = seqlen     # a row that attends to nothing attends to all L keys: keep L exact
+        return _Bucket(padded_batch, padded_seqlen, num_tokens, (padded_batch, padded_seqlen), torch.bool)
+
+    def settings(self, device):
+        model = self.module
+        return (model.embeddings.word_embeddings.weight.dtype, backend_for(model.bert_fast_backend, device),
+                bool(model.bert_fast_skip_padding))
+
+    def fill_args(self, bucket, inputs):
+        return True, False
+
+    def result(self, output, batch, seqlen):
+        sequence_output, pooled_output = output
+        return _sliced(sequence_output, batch, seqlen), None if pooled_output is None else _sliced(pooled_output, batch)
+
+
 # ----------------------------------------------------------------------------------------------
 # The swap
 # ----------------------------------------------------------------------------------------------
@@ -448,7 +525,7 @@ def is_bert_model(module):
     return isinstance(module, BertModel)
 
 
-def convert(model, backend=None, skip_padding=False):
+def convert(model, backend=None, skip_padding=False, cuda_graphs=False):
     """Give ``model`` (a transformers BertModel) the fast classes in place; returns it.
     Raises Unsupported when it cannot run exactly (nothing is changed then)."""
     check_supported(model)
@@ -463,6 +540,7 @@ def convert(model, backend=None, skip_padding=False):
     _register_output_capture(model)
     model.bert_fast_backend = backend
     model.bert_fast_skip_padding = bool(skip_padding)
+    model.bert_fast_cuda_graphs = bool(cuda_graphs)
     return model
 
 
@@ -479,7 +557,9 @@ def _register_output_capture(model):
 
 
 def restore(model):
-    """Undo optimize() on every FastBertModel in ``model`` (the HF classes back; same objects)."""
+    """Undo optimize() on every FastBertModel in ``model`` (the HF classes back; same objects;
+    CUDA graphs dropped)."""
+    clear_cuda_graphs(model)
     for module in model.modules():
         if type(module) is FastBertModel:
             module.__class__ = BertModel

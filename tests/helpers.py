@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from bert_fast import FastBERTEncoder
+from bert_fast import cuda_graph
 from bert_fast import reference as R
 from bert_fast.ops._triton import HAS_TRITON, interpreting
 
@@ -85,3 +86,57 @@ BF16_OK = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8
 def seed_tensor(value, device=DEVICE):
     """A dropout seed as the ops take it: a one-element int64 tensor."""
     return torch.tensor([value], dtype=torch.int64, device=device)
+
+
+# A CPU stand-in for the CUDA steps of bert_fast.cuda_graph's automatic graphs (tests replace
+# cuda_graph._steps with it: test_cuda_graph.py, test_hf.py).
+
+class StubGraph:
+    def __init__(self, steps, run, output):
+        self.steps, self.run, self.output = steps, run, output
+
+    def replay(self):
+        self.steps.replays += 1
+        self.steps.active = True
+        try:
+            with torch.inference_mode():      # the static output is an inference tensor, as on the GPU
+                for static, new in zip(cuda_graph._tensors(self.output), cuda_graph._tensors(self.run())):
+                    static.copy_(new)
+        finally:
+            self.steps.active = False
+
+
+class StubSteps:
+    """cuda_graph._steps on the CPU: "capture" runs the forward once on the static buffers and
+    keeps its output; "replay" runs it again there, writing that output in place. ``active``
+    is True while either runs (what the graph would contain); ``fail`` makes captures raise."""
+
+    def __init__(self, fail=False):
+        self.fail = fail
+        self.attempts = self.replays = 0
+        self.active = False
+        self.inference_mode_at_capture = []
+
+    def supports(self, device):
+        return True
+
+    def capturing(self, device):
+        return False
+
+    def new_pool(self, device):
+        return object()
+
+    def order_after(self, previous, device):
+        return None
+
+    def capture(self, run, device, pool):
+        self.attempts += 1
+        self.inference_mode_at_capture.append(torch.is_inference_mode_enabled())
+        if self.fail:
+            raise RuntimeError("simulated capture failure\nsecond line")
+        self.active = True
+        try:
+            output = run()
+        finally:
+            self.active = False
+        return StubGraph(self, run, output), output

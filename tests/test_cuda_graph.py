@@ -29,8 +29,8 @@ from bert_fast import reference as R
 from bert_fast.backend import resolve_backend
 from bert_fast.cuda_graph import (CudaGraphFallbackWarning, GraphedEncoder, bucket_batch, bucket_seqlen,
                                   bucket_tokens, capture_encoder, clear_cuda_graphs, cuda_graph_stats)
-from tests.helpers import (BF16_OK, FLOOR, assert_close, assert_within_rule, encoder_config, max_err, needs_cuda,
-                           random_inputs)
+from tests.helpers import (BF16_OK, FLOOR, StubSteps, assert_close, assert_within_rule, encoder_config, max_err,
+                           needs_cuda, random_inputs)
 
 B, L = 3, 37          # L not a multiple of 16
 VOCAB = 50            # encoder_config's default vocab_size
@@ -399,56 +399,6 @@ def test_capture_inside_inference_mode_replay_outside():
 # FastBERTEncoder(cuda_graphs=True): automatic capture per shape bucket.
 
 AUTO_MAX_LEN = 200     # room for L = 130 (bucket 160)
-
-
-class StubGraph:
-    def __init__(self, steps, run, output):
-        self.steps, self.run, self.output = steps, run, output
-
-    def replay(self):
-        self.steps.replays += 1
-        self.steps.active = True
-        try:
-            with torch.inference_mode():      # the static output is an inference tensor, as on the GPU
-                self.output.copy_(self.run())
-        finally:
-            self.steps.active = False
-
-
-class StubSteps:
-    """cuda_graph._steps on the CPU: "capture" runs the forward once on the static buffers and
-    keeps its output; "replay" runs it again there, writing that output in place. ``active``
-    is True while either runs (what the graph would contain); ``fail`` makes captures raise."""
-
-    def __init__(self, fail=False):
-        self.fail = fail
-        self.attempts = self.replays = 0
-        self.active = False
-        self.inference_mode_at_capture = []
-
-    def supports(self, device):
-        return True
-
-    def capturing(self, device):
-        return False
-
-    def new_pool(self, device):
-        return object()
-
-    def order_after(self, previous, device):
-        return None
-
-    def capture(self, run, device, pool):
-        self.attempts += 1
-        self.inference_mode_at_capture.append(torch.is_inference_mode_enabled())
-        if self.fail:
-            raise RuntimeError("simulated capture failure\nsecond line")
-        self.active = True
-        try:
-            output = run()
-        finally:
-            self.active = False
-        return StubGraph(self, run, output), output
 
 
 @pytest.fixture

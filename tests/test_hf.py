@@ -17,11 +17,12 @@ transformers = pytest.importorskip("transformers")
 from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel  # noqa: E402
 
 import bert_fast  # noqa: E402
-from bert_fast import hf  # noqa: E402
+from bert_fast import cuda_graph, hf  # noqa: E402
+from bert_fast.cuda_graph import CudaGraphFallbackWarning, cuda_graph_stats  # noqa: E402
 from bert_fast.ops._triton import kernels_on_cpu  # noqa: E402
 from bert_fast.ops.embedding_layernorm import embedding_layernorm  # noqa: E402
 from tests import minilm  # noqa: E402
-from tests.helpers import assert_close, max_err, needs_kernels  # noqa: E402
+from tests.helpers import StubSteps, assert_close, max_err, needs_kernels  # noqa: E402
 
 # A call that silently took HF's forward would compare HF with itself: fail on any fallback
 # warning, except where a test records them on purpose.
@@ -327,6 +328,114 @@ SENTENCES = [
 ]
 
 
+# ----------------------------------------------------------------------------------------------
+# optimize(model, cuda_graphs=True): the graph machinery on the CPU, its capture stubbed (a
+# "replay" reruns the captured forward on the static buffers; tests/test_cuda_graph.py)
+# ----------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def stub(monkeypatch):
+    steps = StubSteps()
+    monkeypatch.setattr(cuda_graph, "_steps", steps)
+    return steps
+
+
+def graphed_trio(cfg, cls=BertModel, **optimize_kw):
+    """HF's model, the eager fast path and the graphed one, on the same weights."""
+    model = cls(cfg).eval()
+    model.set_attn_implementation("eager")
+    eager = bert_fast.optimize(copy.deepcopy(model), **optimize_kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")      # no "not supported" warning any more
+        graphed = bert_fast.optimize(copy.deepcopy(model), cuda_graphs=True, **optimize_kw)
+    return model, eager, graphed
+
+
+# (B, L) -> buckets (B_b, L_b): (3, 11) -> (4, 16), (2, 13) -> (2, 16), (4, 16) -> (4, 16)
+SHAPES = [(3, 11), (2, 13), (4, 16), (3, 11)]
+
+
+@pytest.mark.filterwarnings("error::bert_fast.cuda_graph.CudaGraphFallbackWarning")
+@pytest.mark.parametrize("skip_padding", [False, True])
+@pytest.mark.parametrize("mask_name", list(MASKS))
+@pytest.mark.parametrize("with_types", [True, False])
+def test_cuda_graphs_match_eager_and_hf(stub, mask_name, skip_padding, with_types):
+    ref, eager, graphed = graphed_trio(config(max_pos=40), skip_padding=skip_padding)
+    for batch, seqlen in SHAPES:
+        ids, types = inputs(batch, seqlen)
+        types = types if with_types else None
+        mask = make_mask(mask_name, batch, seqlen)
+        with torch.inference_mode():
+            want, fast, got = (m(ids, attention_mask=mask, token_type_ids=types) for m in (ref, eager, graphed))
+        keep = torch.ones(batch, seqlen, 1) if mask is None or not skip_padding else mask.bool()[..., None].float()
+        what = f"B {batch} L {seqlen}"
+        assert_close(got.last_hidden_state, fast.last_hidden_state, ATOL, what=f"{what}: graphed vs eager fast")
+        assert_close(got.last_hidden_state * keep, want.last_hidden_state * keep, ATOL, what=f"{what}: vs HF")
+        assert_close(got.pooler_output, fast.pooler_output, ATOL, what=f"{what}: pooler")
+        assert got.last_hidden_state.shape == (batch, seqlen, 36) and got.pooler_output.shape == (batch, 36)
+    stats = cuda_graph_stats(graphed)
+    shapes = {(b["batch"], b["seq_len"]) for b in stats["buckets"]}
+    assert shapes == {(4, 16), (2, 16)}, stats
+    assert stats["replays"] == len(SHAPES) and stats["captures"] == (3 if skip_padding else 2), stats
+    if skip_padding:
+        assert all(b["num_tokens"] is not None for b in stats["buckets"])
+    assert stats["buckets"][0]["valid_lens_dtype"] == torch.bool     # the attention mask's buffer
+
+
+def test_cuda_graphs_keep_l_exact_for_a_row_that_attends_to_nothing(stub):
+    """Such a row attends to all L keys (the book's rule): padding L would change it."""
+    _, eager, graphed = graphed_trio(config(max_pos=40))
+    ids, types = inputs(3, 11)
+    mask = make_mask("holes", 3, 11)
+    mask[1] = 0
+    with torch.inference_mode():
+        assert_close(graphed(ids, mask, types).last_hidden_state, eager(ids, mask, types).last_hidden_state, ATOL)
+    assert [b["seq_len"] for b in cuda_graph_stats(graphed)["buckets"]] == [11]
+
+
+def test_cuda_graphs_fall_back_where_graphs_do_not_apply(stub):
+    _, eager, graphed = graphed_trio(config(max_pos=40))
+    ids, types = inputs(2, 9)
+    mask = make_mask("prefix", 2, 9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # Calls the graphs do not take run the eager fast path silently: position ids, hidden states.
+        positions = torch.arange(9).flip(0)[None]
+        with torch.inference_mode():
+            got = graphed(ids, mask, types, position_ids=positions).last_hidden_state
+            want = eager(ids, mask, types, position_ids=positions).last_hidden_state
+            states = graphed(ids, mask, types, output_hidden_states=True).hidden_states
+            as_tuple = graphed(ids, mask, types, return_dict=False)
+        assert_close(got, want, ATOL, what="position_ids")
+        assert len(states) == 3 and len(as_tuple) == 2
+        assert cuda_graph_stats(graphed)["replays"] == 1      # the return_dict=False call
+    # Autograd recording and training run eagerly, with one warning each.
+    with pytest.warns(CudaGraphFallbackWarning, match="autograd is recording"):
+        got = graphed(ids, mask, types).last_hidden_state
+    assert_close(got, eager(ids, mask, types).last_hidden_state, ATOL, what="recording autograd")
+    graphed.train()
+    with pytest.warns(CudaGraphFallbackWarning, match="training mode"):
+        graphed(ids, mask, types)
+    stats = cuda_graph_stats(graphed)
+    assert stats["eager_autograd"] == 1 and stats["eager_training"] == 1
+
+
+def test_cuda_graphs_in_a_head_model_cleared_and_restored(stub):
+    ref, _, graphed = graphed_trio(config(max_pos=40), cls=BertForSequenceClassification)
+    ids, types = inputs(3, 11)
+    mask = make_mask("holes", 3, 11)
+    with torch.inference_mode():
+        for _ in range(2):
+            assert_close(graphed(ids, mask, types).logits, ref(ids, mask, types).logits, ATOL, what="logits")
+    stats = cuda_graph_stats(graphed.bert)
+    assert stats["captures"] == 1 and stats["replays"] == 2
+    assert bert_fast.clear_cuda_graphs(graphed) == 1
+    with torch.inference_mode():
+        graphed(ids, mask, types)
+    hf.restore(graphed)
+    assert cuda_graph_stats(graphed.bert) == {"buckets": [], "failed": []}
+
+
 @pytest.fixture(scope="module")
 def minilm_dir(tmp_path_factory):
     path = minilm.checkpoint_dir(tmp_path_factory.mktemp("minilm"))
@@ -426,3 +535,30 @@ def test_gpu_forward_and_gradients_match_hf(backend, mask_name):
     for (name, p), q in zip(ref.named_parameters(), fast.parameters()):
         if p.grad is not None:
             assert_close(q.grad, p.grad, ATOL, rtol=ATOL, what=f"grad {name}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("mask_name", ["prefix", "holes"])
+@pytest.mark.parametrize("skip_padding", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_cuda_graphs_match_eager(backend, mask_name, skip_padding, dtype):
+    """Replays of real CUDA graphs against the eager fast path (fp32: the floor; bf16: STYLE.md's
+    rule against the fp32 model, HF in bf16 the same-precision peer), two shapes of one bucket."""
+    ref, eager, graphed = graphed_trio(config(max_pos=40), backend=backend, skip_padding=skip_padding)
+    ref, eager, graphed = ref.cuda(), eager.cuda().to(dtype), graphed.cuda().to(dtype)
+    same_precision = copy.deepcopy(ref).to(dtype)
+    for batch, seqlen in ((3, 11), (4, 13), (3, 11)):
+        ids, types = (t.cuda() for t in inputs(batch, seqlen))
+        mask = make_mask(mask_name, batch, seqlen).cuda()
+        keep = mask.bool()[..., None]
+        with torch.inference_mode():
+            want = ref(ids, mask, types).last_hidden_state * keep
+            fast = eager(ids, mask, types).last_hidden_state.float() * keep
+            got = graphed(ids, mask, types).last_hidden_state.float() * keep
+            peer = same_precision(ids, mask, types).last_hidden_state.float() * keep
+        if dtype == torch.float32:
+            assert_close(got, fast, ATOL, what="graphed vs eager")
+        else:
+            assert_close(got, want, 2 * max_err(peer, want) + 5e-2, what="graphed bf16 vs fp32 HF")
+    assert cuda_graph_stats(graphed)["replays"] == 3     # (skip_padding: a token-count bucket may be new)
