@@ -5,6 +5,7 @@ value checks (id ranges, NaN lengths) run unless check_inputs=False, compiled to
 """
 
 import math
+import re
 import warnings
 
 import pytest
@@ -182,18 +183,28 @@ def test_dropout_just_below_one_is_accepted():
 
 # ------------------------------------------------------------------ item 8: optimize()
 
+def assert_left_untouched_with_warnings(model, why):
+    """optimize() leaves the encoder and its blocks (looked at one by one after it) as they are,
+    with a warning for each naming ``why``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimize(model, "torch")
+    assert type(model[0]) is R.BERTEncoder and all(type(b) is R.EncoderBlock for b in model[0].blks)
+    messages = [str(w.message) for w in caught]
+    where = ["0 (BERTEncoder)"] + [f"0.blks.{i} (EncoderBlock)" for i in range(len(model[0].blks))]
+    assert len(messages) == len(where), messages
+    for message, name in zip(messages, where):
+        assert re.search(rf"bert_fast.optimize: {re.escape(name)} .*left untouched: unsupported {why}", message), message
+
+
 def test_optimize_skips_a_reference_whose_heads_do_not_divide_with_a_warning():
     model = torch.nn.Sequential(R.BERTEncoder(**{**encoder_config(num_heads=2, head_dim=4), "num_heads": 3}))
-    with pytest.warns(UserWarning, match=r"bert_fast.optimize: 0 \(BERTEncoder\).*left untouched.*num_heads 3"):
-        optimize(model, "torch")
-    assert type(model[0]) is R.BERTEncoder
+    assert_left_untouched_with_warnings(model, r"num_heads 3 \(must be a positive divisor of num_hiddens 8\)")
 
 
 def test_optimize_skips_a_reference_with_dropout_one_with_a_warning():
     model = torch.nn.Sequential(R.BERTEncoder(**encoder_config(num_heads=2, head_dim=4, dropout=1.0)))
-    with pytest.warns(UserWarning, match=r"0 \(BERTEncoder\).*left untouched.*dropout 1.0"):
-        optimize(model, "torch")
-    assert type(model[0]) is R.BERTEncoder
+    assert_left_untouched_with_warnings(model, r"dropout 1.0 \(must be in \[0, 1\)\)")
 
 
 def test_optimize_handles_cycles_and_shared_modules():
