@@ -13,7 +13,8 @@ automatic path replays the same kind of graph but adds host work per call (next 
 (tests/test_cuda_graph.py), its GPU tests wait for a GPU.
 
 Automatic: ``FastBERTEncoder(..., cuda_graphs=True)`` (or ``bert_fast.optimize(model,
-cuda_graphs=True)``)::
+cuda_graphs=True)``, which also graphs Hugging Face BertModels the same way: bert_fast.hf's
+_GraphedCalls, with the attention mask where the encoder has valid_lens)::
 
     encoder = FastBERTEncoder(..., cuda_graphs=True).cuda().eval()
     with torch.inference_mode():                 # or torch.no_grad(), or frozen parameters
@@ -448,7 +449,7 @@ def _check_matches_captured(name, given, static):
 
 
 # ---------------------------------------------------------------------------------------------
-# Automatic graphs: FastBERTEncoder(cuda_graphs=True)
+# Automatic graphs: FastBERTEncoder(cuda_graphs=True), and HF models through bert_fast.hf
 # ---------------------------------------------------------------------------------------------
 
 class CudaGraphFallbackWarning(UserWarning):

@@ -29,6 +29,11 @@ attention_mask, token_type_ids, position_ids, output_hidden_states, return_dict)
               LayerNorm eps and dropout rates read from the modules.
   pooler      HF's own module.
 
+CUDA graphs (``optimize(model, cuda_graphs=True)``): inference calls without position_ids and
+hidden states replay a graph per shape bucket (bert_fast.cuda_graph.graphed, with _GraphedCalls
+below: the inputs padded to the bucket, the attention mask as a bool buffer whose padding is
+masked, the pooler inside the graph); the rest runs the fused path eagerly.
+
 Differences from HF: a sequence whose attention_mask is all zeros attends uniformly to all of
 its keys (the book's rule, and what HF's eager attention gives; HF's sdpa path gives another
 value there). With ``skip_padding=True`` only attended tokens are computed and the output is
