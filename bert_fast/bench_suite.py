@@ -17,6 +17,7 @@ and every method on the same weights and dtype, in the same run:
   torch_transformer         nn.TransformerEncoder fast path, nested tensors (bert_fast.peers)
   hf_sdpa                   HF BertModel, attn_implementation="sdpa" (bert_fast.peers)
   hf_optimize               the same HF BertModel after bert_fast.optimize() (bert_fast.hf)
+  hf_optimize_cuda_graphs   CUDA only: that HF BertModel after optimize(..., cuda_graphs=True)
   fast, fast_skip_padding   FastBERTEncoder exact and skip_padding, "[backend]" for each backend
                             other than auto's choice
   fast_cuda_graphs, fast_skip_padding_cuda_graphs
@@ -187,6 +188,7 @@ def backend_suffix(backend):
 
 INFERENCE_BASELINES = ("eager", "compile", "compile_max_autotune", "torch_transformer", "hf_sdpa")
 HF_OPTIMIZE = "hf_optimize"       # ours: the hf_sdpa peer after optimize()
+HF_GRAPHS = "hf_optimize_cuda_graphs"    # and after optimize(..., cuda_graphs=True)
 AUTO_GRAPHS = ("fast_cuda_graphs", "fast_skip_padding_cuda_graphs")
 LATENCY_ONLY = ("fast_compile_reduce_overhead", "fast_cuda_graph")
 
@@ -197,7 +199,7 @@ def method_names(shape, backends):
     if shape.training:
         return ["eager", "compile", *(name + suffix for suffix in suffixes
                                       for name in ("optimize", "optimize_skip_padding")), "optimize_compile"]
-    names = [*INFERENCE_BASELINES, HF_OPTIMIZE, *(name + suffix for suffix in suffixes
+    names = [*INFERENCE_BASELINES, HF_OPTIMIZE, HF_GRAPHS, *(name + suffix for suffix in suffixes
                                      for name in ("fast", "fast_skip_padding")), *AUTO_GRAPHS]
     return names + list(LATENCY_ONLY if shape.name == "latency" else ())
 
@@ -228,17 +230,23 @@ def peer_methods(encoder, dtype, device):
     except Exception as error:      # not written yet, or broken: the run goes on without peers
         why = f"bert_fast.peers unavailable ({failure_reason(error)})"
         return [unavailable("torch_transformer", why), unavailable("hf_sdpa", why),
-                unavailable(HF_OPTIMIZE, why, ours=True)]
+                unavailable(HF_OPTIMIZE, why, ours=True), unavailable(HF_GRAPHS, why, ours=True)]
 
-    def hf_optimized():
+    def hf_optimized(**options):
         peer = peers.hf_bert_peer(encoder, attn_implementation="sdpa")
-        return None if peer is None else optimize(peer)
+        return None if peer is None else optimize(peer, **options)
 
+    if device.type == "cuda":
+        hf_graphed = _peer_method(HF_GRAPHS, lambda: hf_optimized(cuda_graphs=True), dtype, device,
+                                  missing=peers.hf_unavailable_reason, ours=True)
+    else:
+        hf_graphed = unavailable(HF_GRAPHS, "CUDA only (cuda_graphs=True replays CUDA graphs)", ours=True)
     return [
         _peer_method("torch_transformer", lambda: peers.transformer_encoder_peer(encoder), dtype, device),
         _peer_method("hf_sdpa", lambda: peers.hf_bert_peer(encoder, attn_implementation="sdpa"), dtype,
                      device, missing=peers.hf_unavailable_reason),
         _peer_method(HF_OPTIMIZE, hf_optimized, dtype, device, missing=peers.hf_unavailable_reason, ours=True),
+        hf_graphed,
     ]
 
 

@@ -24,7 +24,7 @@ def expected_methods(shape):
     if shape == "train":
         return ["eager", "compile"] + [f"{name}{suffix}" for suffix in suffixes
                                        for name in ("optimize", "optimize_skip_padding")] + ["optimize_compile"]
-    names = INFERENCE_PEERS + ["hf_optimize"] + [f"{name}{suffix}" for suffix in suffixes
+    names = INFERENCE_PEERS + ["hf_optimize", "hf_optimize_cuda_graphs"] + [f"{name}{suffix}" for suffix in suffixes
                                for name in ("fast", "fast_skip_padding")]
     names += ["fast_cuda_graphs", "fast_skip_padding_cuda_graphs"]
     return names + (["fast_compile_reduce_overhead", "fast_cuda_graph"] if shape == "latency" else [])
