@@ -59,7 +59,7 @@ from . import ops
 from .backend import backend_for, backend_of, resolve_backend
 from .cuda_graph import _Bucket, _Calls, _is_ids, _sliced, bucket_batch, bucket_seqlen, bucket_tokens, \
     clear_cuda_graphs, graphed
-from .modules import _back_to_back_view, _linear, _packable, _QKVPacking
+from .modules import _back_to_back_view, _linear, _pack_back_to_back_, _packable, _QKVPacking
 from .ops.embedding_layernorm import embedding_layernorm
 
 
@@ -245,12 +245,8 @@ class FastBertLayer(BertLayer):
             return self          # e.g. LoRA wrappers: projected one by one
         for name in ("weight", "bias"):
             params = [getattr(m, name) for m in linears]
-            if any(p is None for p in params) or not _packable(params) or _back_to_back_view(params) is not None:
-                continue
-            with torch.inference_mode(False):
-                buffer = torch.cat([p.detach() for p in params])
-            for param, part in zip(params, buffer.split([p.shape[0] for p in params])):
-                param.data = part
+            if all(p is not None for p in params) and _packable(params) and _back_to_back_view(params) is None:
+                _pack_back_to_back_(params)
         return self
 
     def _qkv(self, X):

@@ -135,14 +135,8 @@ class FastMultiHeadAttention(nn.Module):
         """
         for name in ("weight", "bias"):
             params = [getattr(p, name) for p in (self.W_q, self.W_k, self.W_v)]
-            if params[0] is None or not _packable(params) or _back_to_back_view(params) is not None:
-                continue
-            # A normal tensor even when called in inference mode (a Parameter made an inference
-            # tensor could not be trained any more).
-            with torch.inference_mode(False):
-                buffer = torch.cat([p.detach() for p in params])
-            for param, part in zip(params, buffer.split([p.shape[0] for p in params])):
-                param.data = part
+            if params[0] is not None and _packable(params) and _back_to_back_view(params) is None:
+                _pack_back_to_back_(params)
         self._qkv_packing = _QKVPacking.of(self._qkv_params())
         return self
 
@@ -217,6 +211,20 @@ def _packable(params):
     """Whether pack_qkv_ can put these Parameters in one buffer."""
     return (all(type(p) in (torch.Tensor, nn.Parameter) and not p.is_meta for p in params)
             and len({(p.dtype, p.device, p.shape[1:]) for p in params}) == 1)
+
+
+def _pack_back_to_back_(params):
+    """Move the Parameters' data into one buffer, back to back, in place (the same Parameter
+    objects, their values unchanged)."""
+    # The buffer in the Parameters' own mode, whatever the caller's: normal tensors stay normal
+    # in inference mode (an inference tensor could not be trained any more), and Parameters
+    # made in inference mode stay inference tensors (given a normal tensor as .data, such a
+    # Parameter can no longer be viewed, even by F.linear: "Inference tensors do not track
+    # version counter").
+    with torch.inference_mode(any(p.is_inference() for p in params)):
+        buffer = torch.cat([p.detach() for p in params])
+    for param, part in zip(params, buffer.split([p.shape[0] for p in params])):
+        param.data = part
 
 
 def _repack_after_load(module, incompatible_keys):

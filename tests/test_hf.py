@@ -175,6 +175,19 @@ def test_hidden_states_tuples_and_position_ids():
         assert_close(fast(ids, mask, position_ids=row, use_cache=True).last_hidden_state, want, ATOL)
 
 
+def test_model_loaded_in_inference_mode_runs():
+    """Parameters made under torch.inference_mode stay inference tensors through optimize()'s
+    packing of Q/K/V (a normal tensor as their .data broke every later view of them)."""
+    ids, types = inputs(3, 9)
+    mask = make_mask("holes", 3, 9)
+    with torch.inference_mode():
+        torch.manual_seed(0)
+        ref = BertModel(config()).eval()
+        ref.set_attn_implementation("eager")
+        fast = bert_fast.optimize(copy.deepcopy(ref))
+        assert_close(fast(ids, mask, types).last_hidden_state, ref(ids, mask, types).last_hidden_state, ATOL)
+
+
 def test_permuted_path_equals_the_prefix_path(monkeypatch):
     """Off the CPU the mask is never read on the host: every mask is sorted to a prefix (the
     identity permutation for a prefix mask). Forced here on the CPU."""

@@ -1,9 +1,11 @@
 """FastBERTEncoder / FastBERTModel against the eager reference: outputs and every gradient."""
 
+import copy
+
 import pytest
 import torch
 
-from bert_fast import FastBERTEncoder, FastBERTModel, FastEncoderBlock
+from bert_fast import FastBERTEncoder, FastBERTModel, FastEncoderBlock, optimize
 from bert_fast import reference as R
 from bert_fast.backend import available_backends
 from tests.helpers import (FLOOR, assert_close, compare_forward_backward, encoder_config, encoder_pair, max_err,
@@ -338,6 +340,30 @@ def test_packed_qkv_sees_loaded_and_updated_weights_and_survives_casts_and_assig
     assert _qkv_weight_is_a_view(fast64.blks[0].attention)
     with torch.no_grad():
         assert_close(fast64(tokens, segments, valid_lens), ref64(tokens, segments, valid_lens), atol=1e-10)
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_models_built_or_cast_in_inference_mode_run(backend):
+    """Made under torch.inference_mode (e.g. loaded inside a serving block), the Parameters are
+    inference tensors; packing Q/K/V must keep them so (a normal tensor as such a Parameter's
+    .data made every later view of it raise "Inference tensors do not track version counter")."""
+    cfg = encoder_config()
+    tokens, segments = random_inputs(B, L, 50)
+    valid_lens = torch.tensor([4, 13, 7])
+    with torch.inference_mode():
+        torch.manual_seed(0)
+        ref = R.BERTEncoder(**cfg).eval()
+        fast = FastBERTEncoder(**cfg, backend=backend).eval()
+        fast.load_state_dict(ref.state_dict())
+        converted = optimize(copy.deepcopy(ref), backend)
+        for model in (fast, converted):
+            assert _qkv_weight_is_a_view(model.blks[0].attention)
+            assert_close(model(tokens, segments, valid_lens), ref(tokens, segments, valid_lens), atol=1e-4)
+    # Made normally and cast in inference mode (the cast repacks Q/K/V).
+    ref, fast = encoder_pair(cfg, backend=backend)
+    with torch.inference_mode():
+        ref.double(), fast.double()
+        assert_close(fast(tokens, segments, valid_lens), ref(tokens, segments, valid_lens), atol=1e-6)
 
 
 def test_packed_state_dict_saves_and_loads_with_torch_save_and_safetensors(tmp_path):
