@@ -36,7 +36,9 @@ masked, the pooler inside the graph); the rest runs the fused path eagerly.
 
 Differences from HF: a sequence whose attention_mask is all zeros attends uniformly to all of
 its keys (the book's rule, and what HF's eager attention gives; HF's sdpa path gives another
-value there). With ``skip_padding=True`` only attended tokens are computed and the output is
+value there). Its attention output, the mean of the values, does not depend on the queries and
+keys, and no gradient reaches them from it; HF's eager attention sends them one (its mask adds
+the dtype's minimum to the scores, which rounds them away in the forward but not in autograd). With ``skip_padding=True`` only attended tokens are computed and the output is
 zeros at the others (HF computes values there), as in FastBERTEncoder.
 
 Anything else (inputs_embeds, output_attentions, head_mask, past_key_values, cross-attention
@@ -348,8 +350,9 @@ class FastBertModel(BertModel):
             return f"a {attention_mask.dim()}-D attention_mask (only 2-D key padding masks are fused)"
         if self.training and any(getattr(layer, "gradient_checkpointing", False) for layer in self.encoder.layer):
             return "gradient checkpointing"
-        if not (type(self.embeddings) is FastBertEmbeddings
-                and all(type(layer) is FastBertLayer for layer in self.encoder.layer)):
+        # isinstance: FSDP2's fully_shard gives each module it wraps a subclass of its class.
+        if not (isinstance(self.embeddings, FastBertEmbeddings)
+                and all(isinstance(layer, FastBertLayer) for layer in self.encoder.layer)):
             return "embeddings or layers replaced since optimize()"
         return None
 

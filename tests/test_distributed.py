@@ -20,6 +20,7 @@ import os
 import queue
 import time
 import traceback
+import warnings
 
 import pytest
 import torch
@@ -255,7 +256,56 @@ def _scenario_fsdp(rank, *, backend, valid_lens, pack_qkv=None, skip_padding=Fal
     return checks.report()
 
 
-_SCENARIOS = {"ddp": _scenario_ddp, "fsdp": _scenario_fsdp}
+def _scenario_hf(rank, *, wrapper, backend, skip_padding=False):
+    """A Hugging Face BertModel after bert_fast.optimize() under DDP or FSDP2, against the same
+    HF model (eager attention, not optimized) trained on the whole batch in this process."""
+    import copy
+
+    from transformers import BertConfig, BertModel
+
+    import bert_fast
+    from bert_fast.hf import HFFallbackWarning
+    from torch.distributed.fsdp import fully_shard
+
+    checks = _Checks()
+    cfg = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=48, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0)
+    tokens, segments, valid_lens, weights = _batch(dict(vocab_size=50, num_hiddens=32), VALID_LENS)
+    mask = _loss_mask(valid_lens, skip_padding=True).long()     # the tokenizer's prefix mask
+    # Not the outputs of the sequence whose mask is all zeros: they are the mean of its values,
+    # and HF's eager attention (the reference) sends a gradient to its queries and keys that
+    # ours does not send (bert_fast.hf's docstring; test_hf covers that row alone).
+    keep = (_loss_mask(valid_lens, skip_padding) & (valid_lens > 0)[:, None])[..., None]
+    # The fused path must run under the wrapper, not HF's forward as a fallback.
+    warnings.simplefilter("error", HFFallbackWarning)
+    torch.manual_seed(0)
+    ref = BertModel(cfg)
+    ref.set_attn_implementation("eager")
+    model = bert_fast.optimize(copy.deepcopy(ref), backend, skip_padding=skip_padding)
+    ref_out = ref(tokens, mask, segments).last_hidden_state
+    ((ref_out * weights * keep).sum() / WORLD_SIZE).backward()
+    torch.optim.SGD(ref.parameters(), lr=LR).step()
+
+    if wrapper == "ddp":
+        wrapped = DistributedDataParallel(model, find_unused_parameters=True)    # the pooler: no loss
+    else:
+        for layer in model.encoder.layer:
+            fully_shard(layer)
+        fully_shard(model)
+        wrapped = model
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
+    mine = slice(rank * B // WORLD_SIZE, (rank + 1) * B // WORLD_SIZE)
+    out = wrapped(tokens[mine], mask[mine], segments[mine]).last_hidden_state
+    (out * weights[mine] * keep[mine]).sum().backward()
+    optimizer.step()
+    where = f"rank {rank} ({wrapper}, HF)"
+    checks.close(out.detach() * keep[mine], ref_out.detach()[mine] * keep[mine], f"{where}: training output")
+    _compare_grads_and_params(checks, model, ref, where)
+    return checks.report()
+
+
+_SCENARIOS = {"ddp": _scenario_ddp, "fsdp": _scenario_fsdp, "hf": _scenario_hf}
 
 
 def _serve(rank, store_path, task_queues, results):
@@ -428,3 +478,15 @@ def test_fsdp_pack_qkv_on_the_shards(ranks):
     """pack_qkv_() after fully_shard (a user preparing a sharded model for inference) runs on
     DTensor shards; FSDP must still gather the live values, before and after a step."""
     _assert_reports(ranks.run("fsdp", backend="torch", valid_lens=VALID_LENS, pack_qkv="after_wrap"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face models after optimize()
+
+
+@pytest.mark.parametrize("skip_padding", [False, True])
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_hf_model_step_matches_single_process(ranks, backend, wrapper, skip_padding):
+    pytest.importorskip("transformers")
+    _assert_reports(ranks.run("hf", wrapper=wrapper, backend=backend, skip_padding=skip_padding))

@@ -6,6 +6,7 @@ real all-MiniLM-L6-v2 checkpoint (tests/minilm.py) on tokenized sentences, also 
 sentence-transformers. The Triton path runs in the interpreter (kernels_on_cpu()).
 """
 
+import contextlib
 import copy
 import json
 import warnings
@@ -114,6 +115,34 @@ def test_gradients_match_hf_eager(mask_name):
             assert_close(fast_params[name].grad, p.grad, ATOL, rtol=ATOL, what=f"grad {name}")
     pad_row = fast.bert.embeddings.word_embeddings.weight.grad[0]
     assert pad_row.abs().max() == 0, "padding_idx row got a gradient"
+
+
+@pytest.mark.parametrize("backend, kernels", [("torch", False), ("triton", False),
+                                             pytest.param("triton", True, marks=needs_kernels)])
+def test_gradients_of_a_sequence_whose_mask_is_all_zeros(backend, kernels):
+    """Its attention output is the mean of its values, independent of the queries and keys: no
+    gradient reaches W_q and W_k from it (HF's eager attention sends them one: the dtype's
+    minimum added by its mask rounds the scores away in the forward, not in autograd). What
+    does not pass through the scores matches HF's (one layer: its values, output and FFN)."""
+    cfg = config(layers=1)
+    ref, fast = hf_pair(cfg, backend=backend)
+    ref.train(), fast.train()            # dropout 0: the training path
+    ids, types = inputs(1, 9)
+    mask = torch.zeros(1, 9, dtype=torch.long)
+    w = torch.randn(1, 9, cfg.hidden_size)
+    with kernels_on_cpu() if kernels else contextlib.nullcontext():     # the Triton kernels, interpreted
+        for model in (ref, fast):
+            (model(ids, mask, types).last_hidden_state * w).sum().backward()
+    ref_params, fast_params = dict(ref.named_parameters()), dict(fast.named_parameters())
+    attention = "encoder.layer.0.attention.self."
+    for name in ("query.weight", "query.bias", "key.weight", "key.bias"):
+        grad = fast_params[attention + name].grad
+        assert grad is None or grad.abs().max() == 0, f"{name}: gradient {grad.abs().max():.3g} through no score"
+    assert ref_params[attention + "query.weight"].grad.abs().max() > 1e-3     # HF's, through the mask's rounding
+    for name, p in ref_params.items():
+        if name.startswith(("encoder.layer.0.attention.self.value", "encoder.layer.0.attention.output",
+                            "encoder.layer.0.intermediate", "encoder.layer.0.output")):
+            assert_close(fast_params[name].grad, p.grad, ATOL, rtol=ATOL, what=f"grad {name}")
 
 
 def test_parameters_shared_and_state_dict_unchanged():
