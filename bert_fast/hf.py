@@ -38,7 +38,8 @@ Differences from HF: a sequence whose attention_mask is all zeros attends unifor
 its keys (the book's rule, and what HF's eager attention gives; HF's sdpa path gives another
 value there). Its attention output, the mean of the values, does not depend on the queries and
 keys, and no gradient reaches them from it; HF's eager attention sends them one (its mask adds
-the dtype's minimum to the scores, which rounds them away in the forward but not in autograd). With ``skip_padding=True`` only attended tokens are computed and the output is
+the dtype's minimum to the scores, which rounds them away in the forward but not in autograd).
+With ``skip_padding=True`` only attended tokens are computed and the output is
 zeros at the others (HF computes values there), as in FastBERTEncoder.
 
 Anything else (inputs_embeds, output_attentions, head_mask, past_key_values, cross-attention
@@ -61,7 +62,7 @@ from . import ops
 from .backend import backend_for, backend_of, resolve_backend
 from .cuda_graph import _Bucket, _Calls, _is_ids, _sliced, bucket_batch, bucket_seqlen, bucket_tokens, \
     clear_cuda_graphs, graphed
-from .modules import _back_to_back_view, _linear, _pack_back_to_back_, _packable, _QKVPacking
+from .modules import _linear, _pack_back_to_back_, _QKVPacking
 from .ops.embedding_layernorm import embedding_layernorm
 
 
@@ -247,8 +248,7 @@ class FastBertLayer(BertLayer):
             return self          # e.g. LoRA wrappers: projected one by one
         for name in ("weight", "bias"):
             params = [getattr(m, name) for m in linears]
-            if all(p is not None for p in params) and _packable(params) and _back_to_back_view(params) is None:
-                _pack_back_to_back_(params)
+            _pack_back_to_back_(params)
         return self
 
     def _qkv(self, X):

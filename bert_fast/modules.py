@@ -135,8 +135,7 @@ class FastMultiHeadAttention(nn.Module):
         """
         for name in ("weight", "bias"):
             params = [getattr(p, name) for p in (self.W_q, self.W_k, self.W_v)]
-            if params[0] is not None and _packable(params) and _back_to_back_view(params) is None:
-                _pack_back_to_back_(params)
+            _pack_back_to_back_(params)
         self._qkv_packing = _QKVPacking.of(self._qkv_params())
         return self
 
@@ -215,7 +214,10 @@ def _packable(params):
 
 def _pack_back_to_back_(params):
     """Move the Parameters' data into one buffer, back to back, in place (the same Parameter
-    objects, their values unchanged)."""
+    objects, their values unchanged), unless they are packed already or cannot be (a None
+    among them, meta tensors, tensor subclasses, mixed dtypes, devices or widths)."""
+    if not _packable(params) or _back_to_back_view(params) is not None:
+        return
     # The buffer in the Parameters' own mode, whatever the caller's: normal tensors stay normal
     # in inference mode (an inference tensor could not be trained any more), and Parameters
     # made in inference mode stay inference tensors (given a normal tensor as .data, such a
