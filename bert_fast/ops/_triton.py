@@ -42,22 +42,24 @@ def interpreting():
 
 
 def require_triton(*tensors):
-    """Raise unless Triton can run a kernel on these tensors (CUDA, or CPU when interpreting)."""
+    """Raise unless Triton can run a kernel on these tensors (CUDA, or CPU when interpreting or
+    when a tool routes CPU tensors to the launchers: kernels_on_cpu, bert_fast.kernel_resources)."""
     if not HAS_TRITON:
         raise RuntimeError("the triton backend needs the triton package (pip install triton; Linux only); "
                            "use backend='torch' instead")
     for t in tensors:
         if t is None:
             continue
-        if t.device.type == "cuda" or (t.device.type == "cpu" and interpreting()):
+        if t.device.type == "cuda" or (t.device.type == "cpu" and (interpreting() or _KERNELS_ON_CPU[0])):
             continue
         raise ValueError(f"Triton kernels run on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), "
                          f"got a tensor on {t.device}")
 
 
-# Tests only (under TRITON_INTERPRET=1): send CPU tensors to the Triton launchers instead of the
-# CPU kernels, so the eager path a GPU takes (launchers, their Functions, the visible-key
-# counts) runs in the interpreter. See kernels_on_cpu().
+# Send CPU tensors to the Triton launchers instead of the CPU kernels: for tests under
+# TRITON_INTERPRET=1, so the eager path a GPU takes (launchers, their Functions, the visible-key
+# counts) runs in the interpreter (kernels_on_cpu()), and for bert_fast.kernel_resources, which
+# compiles the kernels those launchers ask for, for a GPU target.
 _KERNELS_ON_CPU = [False]
 
 
@@ -123,6 +125,17 @@ def as_rows(t, row_size):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def nothing_to_launch(n):
+    """Whether a launch over ``n`` rows can be left out: ``n`` is known to be 0.
+
+    Under torch.compile, skip_padding's token count is an unbacked size, unknown when the graph
+    is traced (and a Python ``if`` on it fails the trace): its launches stay in the graph, and
+    at run time Triton's launcher launches nothing for a grid of 0 programs, while a reduction's
+    grid keeps its one program, which stores zero partial sums.
+    """
+    return type(n) is int and n == 0
+
+
 def reduction_programs(device, num_row_blocks, programs_beside=1):
     """How many programs stride over ``num_row_blocks`` in a kernel that also reduces over rows.
 
@@ -134,4 +147,6 @@ def reduction_programs(device, num_row_blocks, programs_beside=1):
         limit = 4 * torch.cuda.get_device_properties(device).multi_processor_count // programs_beside
     else:
         limit = 4
-    return max(1, min(num_row_blocks, limit))
+    # sym_min/sym_max: num_row_blocks may be an unbacked size under torch.compile (see
+    # nothing_to_launch); for ints they are min and max.
+    return torch.sym_max(1, torch.sym_min(num_row_blocks, limit))

@@ -39,8 +39,8 @@ from ..extension import require_extension
 from ._autograd import (autocasting, below_autograd, forbid_double_backward, once_differentiable, records_grad,
                         thin_apply, use_registered_op)
 from ._philox import check_seed, dropout_keep, dropout_seed
-from ._triton import (as_dtype, as_rows, compute_dtype, cpu_kernel, KERNEL_DTYPES, launch, reduction_programs,
-                      require_triton, tl, triton, uses_triton)
+from ._triton import (as_dtype, as_rows, compute_dtype, cpu_kernel, KERNEL_DTYPES, launch, nothing_to_launch,
+                      reduction_programs, require_triton, tl, triton, uses_triton)
 
 # The whole row lives in registers (one tile row per normalised row).
 MAX_HIDDEN = 8192
@@ -77,6 +77,9 @@ def _add_layernorm_fwd_kernel(x_ptr, residual_ptr, weight_ptr, bias_ptr, out_ptr
                               HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                               HAS_DROPOUT: tl.constexpr, BLOCK_H: tl.constexpr,
                               ROWS_PER_PROGRAM: tl.constexpr):
+    # fp32 whatever the caller typed them (torch.compile types float arguments fp64).
+    eps = tl.cast(eps, tl.float32)
+    dropout_p, keep_scale = tl.cast(dropout_p, tl.float32), tl.cast(keep_scale, tl.float32)
     rows = tl.program_id(0) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
     cols = tl.arange(0, BLOCK_H)
     row_in = rows < n_rows
@@ -106,6 +109,9 @@ def _add_layernorm_bwd_kernel(grad_out_ptr, x_ptr, residual_ptr, weight_ptr, mea
                               HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                               HAS_DROPOUT: tl.constexpr, BLOCK_H: tl.constexpr,
                               ROWS_PER_PROGRAM: tl.constexpr):
+    # fp32 whatever the caller typed them: fp64 (torch.compile's type for a float argument)
+    # would make the loop-carried sums fp64, which Triton refuses to compile.
+    dropout_p, keep_scale = tl.cast(dropout_p, tl.float32), tl.cast(keep_scale, tl.float32)
     program = tl.program_id(0)
     cols = tl.arange(0, BLOCK_H)
     col_in = cols < hidden
@@ -207,7 +213,7 @@ def _add_layernorm_fwd_triton(x, residual, weight, bias, eps, seed, dropout_p):
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    if n_rows:
+    if not nothing_to_launch(n_rows):
         block_h, rows_per_program, num_warps = _layernorm_blocks(hidden)
         launch(_add_layernorm_fwd_kernel)[(triton.cdiv(n_rows, rows_per_program),)](
             x2, residual2, weight, bias, out, mean, rstd,
@@ -250,7 +256,8 @@ def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, d
     # Programs without rows still store their (zero) partial row, so the buffers need no zeroing.
     d_weight_partial = new((programs, hidden), torch.float32) if weight is not None else None
     d_bias_partial = new((programs, hidden), torch.float32) if has_bias else None
-    if n_rows:
+    empty = nothing_to_launch(n_rows)
+    if not empty:
         launch(_add_layernorm_bwd_kernel)[(programs,)](
             grad2, x2, residual2, weight, mean, rstd,
             d_residual, d_x, d_weight_partial, d_bias_partial,
@@ -258,8 +265,8 @@ def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, d
             dropout_p, _keep_scale(dropout_p), seed,
             HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, HAS_DROPOUT=has_dropout,
             BLOCK_H=block_h, ROWS_PER_PROGRAM=rows_per_program, num_warps=num_warps)
-    reduce_rows = lambda partial: (partial.sum(0).to(x.dtype) if n_rows
-                                   else torch.zeros(hidden, dtype=x.dtype, device=x.device))
+    reduce_rows = lambda partial: (torch.zeros(hidden, dtype=x.dtype, device=x.device) if empty
+                                   else partial.sum(0).to(x.dtype))
     return (d_residual.view(x.shape),
             d_x.view(x.shape) if has_dropout else new((0,)),
             reduce_rows(d_weight_partial) if weight is not None else new((0,)),

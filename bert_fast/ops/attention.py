@@ -161,6 +161,10 @@ _LOG2E = tl.constexpr(math.log2(math.e))
 _LN2 = tl.constexpr(math.log(2.0))
 # Kernels work in base 2 (exp2); this is the reference's replacement score in those units.
 _MASKED_SCORE_LOG2 = tl.constexpr(MASK_VALUE * math.log2(math.e))
+# Float arguments (sm_scale, dropout_p) are cast to fp32 first thing in each kernel: Triton's
+# launcher passes a Python float as fp32, but torch.compile's code (Inductor, for a triton_op)
+# types it fp64, and fp64 then spreads through the scores into the loop-carried statistics,
+# which Triton refuses to compile ("m_i has initial type fp32 but is re-assigned to fp64").
 
 _MAX_HEAD_DIM = 256
 _MAX_DROPOUT_SEQLEN = 65536      # the Philox counter i * L + j must fit 32 bits
@@ -208,6 +212,7 @@ def _attention_fwd_kernel(
         DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One program: BLOCK_M queries of one (batch, head) against all keys, online softmax."""
+    sm_scale, dropout_p = tl.cast(sm_scale, tl.float32), tl.cast(dropout_p, tl.float32)
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b = bh // num_heads
@@ -316,6 +321,7 @@ def _attention_bwd_dkdv_kernel(
     rows past the sequence's end load zero Q and dO (and zero delta), so they add nothing
     whatever weight the zero LSE gives them. Delta and LSE share one layout (strides).
     """
+    sm_scale, dropout_p = tl.cast(sm_scale, tl.float32), tl.cast(dropout_p, tl.float32)
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
     b = bh // num_heads
@@ -399,6 +405,7 @@ def _attention_bwd_dq_kernel(
     Key rows past the sequence's end load zero K and V, so whatever weight they get, their
     dS multiplies a zero K row.
     """
+    sm_scale, dropout_p = tl.cast(sm_scale, tl.float32), tl.cast(dropout_p, tl.float32)
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b = bh // num_heads
@@ -460,6 +467,7 @@ def _attention_bwd_dq_kernel(
 def _attention_dropout_keep_kernel(keep, max_seqlen, dropout_p, seed_ptr,
                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Materialise the kernels' keep mask (B, heads, L, L) as int8: for tests only."""
+    dropout_p = tl.cast(dropout_p, tl.float32)
     queries = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     keys = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     bh = tl.program_id(2)
@@ -481,10 +489,10 @@ class _Tiles(NamedTuple):
 
 # Tiles per (BLOCK_D, element size): forward (BLOCK_M, BLOCK_N, warps, stages), then the dK/dV
 # kernel (queries streamed, keys resident) and the dQ kernel (queries resident, keys streamed).
-# Chosen without a GPU, from Triton 3.9's ahead-of-time compile (triton.compile for a
-# GPUTarget, then cuobjdump -res-usage) for sm80 and sm90, fp16/bf16/fp32, with and without
-# valid_lens, varlen and dropout: no register spills beyond a few bytes, and at most 67 KB of
-# shared memory, which sm86/89 (99 KB) hold as well. Timings on a GPU may move them.
+# Chosen without a GPU, from Triton's ahead-of-time compile for sm80 and sm90 (now
+# `python -m bert_fast.kernel_resources`, held to its limits by tests/test_fake_gpu_compile.py),
+# fp16/bf16/fp32, with and without valid_lens, varlen and dropout: no register spills, and at
+# most 67 KB of shared memory, which sm86/89 (99 KB) hold as well. Timings on a GPU may move them.
 _GPU_TILES = {
     (64, 2): (_Tiles(128, 64, 8, 3), _Tiles(32, 128, 8, 2), _Tiles(128, 32, 8, 2)),
     (128, 2): (_Tiles(128, 32, 8, 2), _Tiles(32, 32, 8, 2), _Tiles(64, 32, 8, 2)),

@@ -35,8 +35,8 @@ from torch.nn import functional as F
 
 from ._autograd import (autocasting, forbid_double_backward, once_differentiable, records_grad, thin_apply,
                         use_registered_op)
-from ._triton import (as_dtype, as_rows, compute_dtype, cpu_kernel, KERNEL_DTYPES, launch, reduction_programs,
-                      require_triton, tl, triton, uses_triton)
+from ._triton import (as_dtype, as_rows, compute_dtype, cpu_kernel, KERNEL_DTYPES, launch, nothing_to_launch,
+                      reduction_programs, require_triton, tl, triton, uses_triton)
 # Shared with add_layernorm: the dtypes the kernels take, the (rows, N) view the launchers
 # need, and the grid of a kernel that reduces over rows.
 
@@ -175,7 +175,7 @@ def _bias_act_fwd_triton(h, bias, activation):
     # h's shape, contiguous (the kernel writes rows of n_cols): an output that is a view of a
     # 2-D buffer could not be edited in place under autograd.
     out = torch.empty(h.shape, dtype=h.dtype, device=h.device)
-    if n_rows:
+    if not nothing_to_launch(n_rows):
         block_m, block_n, num_warps = _bias_act_blocks(n_cols)
         grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
         launch(_bias_act_fwd_kernel)[grid](
@@ -205,7 +205,8 @@ def _bias_act_bwd_triton(grad_out, saved, bias, activation):
     # Every program stores its partial row (zeros if it had no rows): no zeroing needed.
     d_bias_partial = (torch.empty((row_programs, n_cols), dtype=torch.float32, device=saved.device)
                       if bias is not None else None)
-    if n_rows:
+    empty = nothing_to_launch(n_rows)
+    if not empty:
         launch(_bias_act_bwd_kernel)[(row_programs, col_programs)](
             grad2, saved2, bias, d_h, d_bias_partial, n_rows, n_cols, grad2.stride(0), saved2.stride(0),
             ACTIVATION=activation, HAS_BIAS=bias is not None,
@@ -213,7 +214,7 @@ def _bias_act_bwd_triton(grad_out, saved, bias, activation):
     if bias is None:
         d_bias = saved.new_empty(0)
     else:
-        d_bias = d_bias_partial.sum(0).to(saved.dtype) if n_rows else torch.zeros_like(bias)
+        d_bias = torch.zeros_like(bias) if empty else d_bias_partial.sum(0).to(saved.dtype)
     return d_h.view(saved.shape), d_bias
 
 

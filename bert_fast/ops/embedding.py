@@ -60,8 +60,8 @@ from .. import extension
 from ..extension import require_extension
 from ._autograd import (below_autograd, forbid_double_backward, once_differentiable, records_grad, thin_apply,
                         use_registered_op)
-from ._triton import (KERNEL_DTYPES, as_dtype, compute_dtype, cpu_kernel, launch, require_triton, tl, triton,
-                      uses_triton)
+from ._triton import (KERNEL_DTYPES, as_dtype, compute_dtype, cpu_kernel, launch, nothing_to_launch,
+                      require_triton, tl, triton, uses_triton)
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -413,7 +413,7 @@ def _embedding_sum_fwd_triton(tokens, segments, token_weight, segment_weight, po
     # tokens.shape + (H,), contiguous (the kernel writes rows of H): an output that is a view of
     # a 2-D buffer could not be edited in place under autograd.
     out = torch.empty((*tokens.shape, hidden), dtype=token_weight.dtype, device=token_weight.device)
-    if n_rows:
+    if not nothing_to_launch(n_rows):
         block_t, block_h, num_warps = _fwd_blocks(hidden)
         launch(_embedding_sum_fwd_kernel)[(triton.cdiv(n_rows, block_t),)](
             out, _flat_ids(tokens), _flat_ids(segments),
@@ -446,7 +446,7 @@ def _sorted_row_sum(grad_rows, ids, n_table_rows, out_dtype):
     n_rows, hidden = grad_rows.shape
     block_t, block_h, num_warps = _chunk_blocks(hidden)
     table_grad = torch.zeros((n_table_rows, hidden), dtype=out_dtype, device=grad_rows.device)
-    if n_rows == 0:
+    if nothing_to_launch(n_rows):
         return table_grad
     # Ids out of [0, n_table_rows) become n_table_rows: one run, sorted last, that the kernels
     # never store (no sync to find them; an elementwise pass over R ids beside the sort).
@@ -462,11 +462,14 @@ def _sorted_row_sum(grad_rows, ids, n_table_rows, out_dtype):
         grad_rows, sorted_ids, order, table_grad, heads, tails, n_rows, hidden, n_table_rows,
         grad_rows.stride(0), grad_rows.stride(1), BLOCK_T=block_t, BLOCK_H=block_h,
         num_warps=num_warps)
-    if n_chunks > 1:
-        # The end of the run holding each full chunk's last row (the last chunk has no tail).
-        run_ends = torch.searchsorted(sorted_ids, sorted_ids[block_t - 1::block_t].contiguous(),
-                                      right=True)
-        launch(_embedding_sum_bwd_carry_kernel)[(n_chunks - 1, h_blocks)](
+    if not nothing_to_launch(n_chunks - 1):
+        # The end of the run holding each chunk's last row (pass 2 reads the full chunks'). The
+        # rows by arange, not a strided slice: under torch.compile with skip_padding's unbacked
+        # row count, torch 2.11 gives a slice's length a new size symbol, which an op's fake
+        # kernel may not leave behind.
+        last_rows = (torch.arange(n_chunks, device=ids.device) * block_t + (block_t - 1)).clamp(max=n_rows - 1)
+        run_ends = torch.searchsorted(sorted_ids, sorted_ids[last_rows], right=True)
+        launch(_embedding_sum_bwd_carry_kernel)[(torch.sym_max(n_chunks - 1, 0), h_blocks)](
             sorted_ids, run_ends, heads, tails, table_grad, hidden, n_table_rows,
             BLOCK_T=block_t, BLOCK_C=CARRY_BLOCK, BLOCK_H=block_h, num_warps=num_warps)
     return table_grad
@@ -500,7 +503,7 @@ def _embedding_sum_bwd_triton(grad_out, tokens, segments, positions, n_tokens, n
         fp32_zeros = lambda rows: torch.zeros((rows, hidden), dtype=torch.float32, device=device)
         token_acc, segment_acc = fp32_zeros(n_tokens), fp32_zeros(n_segments)
         pos_acc = fp32_zeros(max_len) if scatter_positions else None
-        if n_rows:
+        if not nothing_to_launch(n_rows):
             launch(_embedding_sum_bwd_kernel)[(triton.cdiv(n_rows, block_t), h_blocks)](
                 grad_rows, token_ids, segment_ids, position_ids, token_acc, segment_acc, pos_acc,
                 n_rows, hidden, n_tokens, n_segments, max_len, grad_rows.stride(0), grad_rows.stride(1),
@@ -516,7 +519,7 @@ def _embedding_sum_bwd_triton(grad_out, tokens, segments, positions, n_tokens, n
         return token_grad, segment_grad, pos_rows.view(1, max_len, hidden)
     batch, seq_len = tokens.shape
     pos_grad = torch.zeros((1, max_len, hidden), dtype=dtype, device=device)
-    if n_rows:
+    if not nothing_to_launch(n_rows):
         launch(_embedding_sum_bwd_pos_kernel)[(triton.cdiv(seq_len, block_t), h_blocks)](
             grad_out, pos_grad, batch, seq_len, hidden,
             grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),

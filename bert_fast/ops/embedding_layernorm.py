@@ -31,7 +31,8 @@ import torch
 from torch.nn import functional as F
 
 from ._autograd import once_differentiable, records_grad, thin_apply, use_registered_op
-from ._triton import KERNEL_DTYPES, cpu_kernel, launch, require_triton, tl, triton, uses_triton
+from ._triton import (KERNEL_DTYPES, cpu_kernel, launch, nothing_to_launch, require_triton, tl, triton,
+                      uses_triton)
 from .embedding import (_check_fwd_inputs, _check_id_ranges, _embedding_rows, _embedding_sum_bwd,
                         _embedding_sum_fwd, _flat_ids, _fwd_blocks, _guarded_lookup)
 
@@ -55,6 +56,7 @@ def _embedding_layernorm_fwd_kernel(out_ptr, mean_ptr, rstd_ptr, token_ids_ptr, 
                                      segment_col_stride, pos_row_stride, pos_col_stride,
                                      HAS_POSITIONS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                                      HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    eps = tl.cast(eps, tl.float32)      # fp32 whatever the caller typed it (torch.compile: fp64)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_H)
     row_in = rows < n_rows
@@ -108,7 +110,7 @@ def _embedding_layernorm_fwd_triton(tokens, segments, token_weight, segment_weig
     out = torch.empty((*tokens.shape, hidden), dtype=token_weight.dtype, device=token_weight.device)
     mean = torch.empty(n_rows, dtype=torch.float32, device=token_weight.device)
     rstd = torch.empty_like(mean)
-    if n_rows:
+    if not nothing_to_launch(n_rows):
         block_t, block_h, num_warps = _fwd_blocks(hidden)
         launch(_embedding_layernorm_fwd_kernel)[(triton.cdiv(n_rows, block_t),)](
             out, mean, rstd, _flat_ids(tokens), _flat_ids(segments),
