@@ -1,0 +1,305 @@
+"""What each Triton kernel costs a GPU, found without one: ``python -m bert_fast.kernel_resources``.
+
+Runs the ops' GPU launch path (the same launchers, tile choices and specialisations a CUDA
+tensor gets) on CPU tensors, but where the launcher would launch a kernel, Triton compiles it
+ahead of time for a GPU target instead (``JITFunction.warmup`` with a driver that names the
+target): the whole chain, Python AST to PTX to a cubin from ptxas, for sm_80 or sm_90, on a
+machine with no GPU and no CUDA driver. For each distinct compiled kernel it reports the
+dynamic shared memory (Triton's metadata) and the registers and local memory per thread
+(``cuobjdump -res-usage`` on the cubin; local memory is where ptxas spills registers).
+
+Triton's interpreter, which runs the kernels in the CPU tests, checks none of this: it accepts
+code the compiler rejects, and knows nothing of shared memory or registers. A kernel that needs
+more shared memory than the GPU has fails at its first launch ("out of resource"); one that
+spills runs slowly. The tests (tests/test_kernel_resources.py) hold every kernel to the limits
+below on both targets, for the tile tables in the op files.
+
+The kernels' outputs are never computed: the launchers' output buffers stay uninitialised, so
+this is for compiling, not for checking values. Run it in a process of its own, without
+TRITON_INTERPRET=1 (the interpreter replaces the kernels this compiles), and without a CUDA
+device in use (it replaces Triton's active driver).
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import importlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+# Dynamic shared memory one block may use (opt-in maximum), bytes: sm_80 (A100) 163 KB, sm_86 and
+# sm_89 (consumer Ampere and Ada) 99 KB, sm_90 (H100) 227 KB. The kernels stay within the
+# smallest, so one tile table serves every GPU from sm_80 on.
+SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+PORTABLE_SHARED_LIMIT = min(SHARED_LIMIT.values())
+# Local memory per thread the kernels may use (spilled registers): a few bytes of spill are
+# harmless; more means the tiles ask for more registers than a thread has.
+LOCAL_LIMIT = 64
+
+
+@dataclasses.dataclass
+class KernelRecord:
+    """One distinct compiled kernel: its name, constexpr values and resources on one target."""
+    kernel: str
+    arch: int
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+    shared_bytes: int
+    registers: int
+    local_bytes: int
+    stack_bytes: int
+
+
+class _TargetDriver:
+    """What ``JITFunction.warmup`` asks of Triton's active driver, answered for a named target.
+    warmup compiles without launching, so no device, stream or CUDA driver is ever touched."""
+
+    def __init__(self, arch):
+        from triton.backends.compiler import GPUTarget
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def is_active(self):
+        return True
+
+
+def _cuobjdump():
+    """Triton's bundled cuobjdump, else the CUDA toolkit's."""
+    import triton
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    found = bundled if os.path.exists(bundled) else shutil.which("cuobjdump")
+    if found is None:
+        raise RuntimeError("cuobjdump not found (neither in triton's package nor on PATH)")
+    return found
+
+
+def _resource_usage(cubin, workdir):
+    """(registers, local bytes, stack bytes) per thread of the one function in a cubin."""
+    path = os.path.join(workdir, "kernel.cubin")
+    with open(path, "wb") as f:
+        f.write(cubin)
+    text = subprocess.run([_cuobjdump(), "-res-usage", path], check=True, capture_output=True,
+                          text=True).stdout
+    usage = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", text)
+    if usage is None:
+        raise RuntimeError(f"cuobjdump -res-usage printed no resource line:\n{text}")
+    registers, stack, local = map(int, usage.groups())
+    return registers, local, stack
+
+
+class _AheadOfTimeLaunch:
+    """Stands in for ``launch(kernel)``: ``[grid](*args, **kwargs)`` compiles, never launches."""
+
+    def __init__(self, kernel, session):
+        self.kernel, self.session = kernel, session
+
+    def __getitem__(self, grid):
+        def compile_for_target(*args, **kwargs):
+            compiled = self.kernel.warmup(*args, grid=grid, **kwargs)
+            self.session.add(self.kernel, compiled)
+        return compile_for_target
+
+
+class _Session:
+    def __init__(self, arch, workdir):
+        self.arch, self.workdir = arch, workdir
+        self.records, self._seen = [], set()
+
+    def add(self, kernel, compiled):
+        if id(compiled) in self._seen:      # Triton's in-memory cache: the same specialisation
+            return
+        self._seen.add(id(compiled))
+        constexprs = {kernel.arg_names[path[0]]: value for path, value in compiled.src.constants.items()
+                      if len(path) == 1}
+        registers, local, stack = _resource_usage(compiled.asm["cubin"], self.workdir)
+        meta = compiled.metadata
+        self.records.append(KernelRecord(kernel.__name__, self.arch, _jsonable(constexprs), meta.num_warps,
+                                         meta.num_stages, meta.shared, registers, local, stack))
+
+
+def _jsonable(constexprs):
+    return {name: value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
+            for name, value in constexprs.items()}
+
+
+OP_FILES = ("add_layernorm", "attention", "bias_act", "embedding", "embedding_layernorm")
+
+
+def _op_modules():
+    # By file name: bert_fast.ops re-exports functions under some of these names.
+    return [importlib.import_module(f"bert_fast.ops.{name}") for name in OP_FILES]
+
+
+def defined_kernels():
+    """Names of the Triton kernels (``@triton.jit`` functions named ``*_kernel``) in the op files
+    (under TRITON_INTERPRET=1, ``@triton.jit`` makes InterpretedFunctions)."""
+    import triton
+    from triton.runtime.interpreter import InterpretedFunction
+    return {name for module in _op_modules() for name, value in vars(module).items()
+            if name.endswith("_kernel") and isinstance(value, (triton.JITFunction, InterpretedFunction))}
+
+
+@contextlib.contextmanager
+def compiling_for(arch):
+    """Within: the ops' Triton launchers take CPU tensors, and compile their kernels for
+    ``sm_<arch>`` instead of launching them. Yields the list of KernelRecords it fills."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise RuntimeError("kernel_resources compiles real kernels: run it without TRITON_INTERPRET=1")
+    from triton.runtime import driver
+    from .ops import _triton
+    op_modules = _op_modules()
+    with tempfile.TemporaryDirectory() as workdir:
+        session = _Session(arch, workdir)
+        previous_driver = getattr(driver, "_active", None)     # None where no GPU driver loaded
+        driver.set_active(_TargetDriver(arch))
+        _triton._KERNELS_ON_CPU[0] = True
+        try:
+            for module in op_modules:
+                module.launch = functools.partial(_AheadOfTimeLaunch, session=session)
+            yield session.records
+        finally:
+            _triton._KERNELS_ON_CPU[0] = False
+            for module in op_modules:
+                module.launch = _triton.launch
+            driver.set_active(previous_driver)
+
+
+# ----------------------------------------------------------------------------------------------
+# What to compile: the launch paths of the modules and ops, over the configurations that change
+# a kernel's specialisation (dtype, head dim's tile class, masks, varlen, dropout, activation,
+# learned positions, deterministic embedding backward).
+# ----------------------------------------------------------------------------------------------
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# (num_heads, head_dim): BERT-base's 12 x 64, and one head dim per other tile class (BLOCK_D 32,
+# 128 and 256; 96 and 192 are the odd ones, loads masked past d).
+HEAD_CONFIGS = ((12, 64), (4, 32), (2, 96), (2, 192))
+
+
+def _encoder(num_heads, head_dim, dtype, **options):
+    from .modules import FastBERTEncoder
+    hidden = num_heads * head_dim
+    return FastBERTEncoder(vocab_size=64, num_hiddens=hidden, norm_shape=[hidden], ffn_num_input=hidden,
+                           ffn_num_hiddens=4 * hidden, num_heads=num_heads, num_layers=1, dropout=0.1,
+                           max_len=64, key_size=hidden, query_size=hidden, value_size=hidden,
+                           backend="triton", **options).to(dtype)
+
+
+def run_workload(dtype, num_heads, head_dim, batch=2, seqlen=24):
+    """Every launch path of the triton backend at one dtype and head configuration: training
+    forward+backward (dropout on) and inference, for each valid_lens form, padded and
+    skip_padding, each activation, and the ops the modules do not reach on their own."""
+    from . import ops
+    from .ops.attention import _attention_dropout_keep_triton
+    from .ops.embedding_layernorm import embedding_layernorm
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 64, (batch, seqlen), generator=generator)
+    segments = torch.randint(0, 2, (batch, seqlen), generator=generator)
+    valid_lens_forms = (None, torch.tensor([float(seqlen), seqlen / 2]),
+                        torch.arange(1, seqlen + 1).repeat(batch, 1))
+    for activation, learn_pos in (("relu", False), ("gelu", True), ("gelu_tanh", False)):
+        for skip_padding in (False, True):
+            encoder = _encoder(num_heads, head_dim, dtype, activation=activation, skip_padding=skip_padding,
+                               learn_pos_embedding=learn_pos)
+            for valid_lens in valid_lens_forms:
+                if skip_padding and valid_lens is not None and valid_lens.dim() == 2:
+                    continue          # skip_padding takes 1-D lengths
+                encoder.train()
+                encoder(tokens, segments, valid_lens).float().sum().backward()
+                encoder.eval()
+                with torch.no_grad():
+                    encoder(tokens, segments, valid_lens)
+    hidden = num_heads * head_dim
+    tables = [torch.randn(rows, hidden, dtype=dtype, requires_grad=True) for rows in (64, 2, 64)]
+    tables[2] = tables[2].detach().unsqueeze(0).requires_grad_()
+    for deterministic in (False, True):
+        out = ops.embedding_sum(tokens, segments, *tables, backend="triton", learn_pos_embedding=True,
+                                deterministic=deterministic)
+        out.float().sum().backward()
+    # HF's embeddings, LayerNorm fused in (padded ids, then packed ids with their positions); its
+    # backward launches embedding_sum's kernels, compiled above.
+    norm = (torch.ones(hidden, dtype=dtype), torch.zeros(hidden, dtype=dtype))
+    positions = torch.arange(seqlen).repeat(batch)
+    with torch.no_grad():
+        embedding_layernorm(tokens, segments, tables[0], tables[1], tables[2][0], *norm, 1e-12, backend="triton")
+        embedding_layernorm(tokens.flatten(), segments.flatten(), tables[0], tables[1], tables[2][0], *norm, 1e-12,
+                            positions=positions, backend="triton")
+    _attention_dropout_keep_triton(batch, num_heads, seqlen, 0.1, torch.zeros(1, dtype=torch.int64))
+
+
+def collect(archs=(90, 80), dtypes=tuple(DTYPES), head_configs=HEAD_CONFIGS):
+    """KernelRecords of every distinct kernel the workloads compile, per target."""
+    records = []
+    for arch in archs:
+        with compiling_for(arch) as compiled:
+            for dtype in dtypes:
+                for num_heads, head_dim in head_configs:
+                    run_workload(DTYPES[dtype], num_heads, head_dim)
+        records += compiled
+    return records
+
+
+def violations(records):
+    """What breaks the limits: shared memory beyond PORTABLE_SHARED_LIMIT, local memory (spills)
+    beyond LOCAL_LIMIT."""
+    found = []
+    for r in records:
+        if r.shared_bytes > PORTABLE_SHARED_LIMIT:
+            found.append(f"{r.kernel} sm_{r.arch} {r.constexprs}: {r.shared_bytes} B of shared memory "
+                         f"> {PORTABLE_SHARED_LIMIT}")
+        if r.local_bytes > LOCAL_LIMIT:
+            found.append(f"{r.kernel} sm_{r.arch} {r.constexprs}: {r.local_bytes} B of local memory "
+                         f"(register spills) per thread > {LOCAL_LIMIT}")
+    return found
+
+
+def _table(records):
+    lines = ["| kernel | sm | constexprs | warps | stages | shared KB | regs | local B |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(records, key=lambda r: (r.kernel, r.arch, -r.shared_bytes)):
+        consts = ", ".join(f"{k}={v}" for k, v in r.constexprs.items())
+        lines.append(f"| {r.kernel} | {r.arch} | {consts} | {r.num_warps} | {r.num_stages} | "
+                     f"{r.shared_bytes / 1024:.1f} | {r.registers} | {r.local_bytes} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m bert_fast.kernel_resources",
+        description="Compile every Triton kernel the ops launch for GPU targets (no GPU needed) and "
+                    "report shared memory, registers and spills per kernel.")
+    parser.add_argument("--arch", type=int, action="append", choices=sorted(SHARED_LIMIT),
+                        help="compute capability x10 to compile for; repeatable (default: 90 and 80)")
+    parser.add_argument("--dtype", action="append", choices=sorted(DTYPES), help="repeatable (default: all)")
+    parser.add_argument("--json", metavar="PATH", help="also write the records as JSON to PATH")
+    args = parser.parse_args(argv)
+    records = collect(tuple(args.arch or (90, 80)), tuple(args.dtype or DTYPES))
+    print(_table(records))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([dataclasses.asdict(r) for r in records], f, indent=1)
+    problems = violations(records)
+    for problem in problems:
+        print("over the limit:", problem, file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
