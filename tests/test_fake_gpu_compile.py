@@ -1,0 +1,106 @@
+"""What a GPU's compiler makes of our kernels, checked on this CPU machine.
+
+Triton's interpreter runs the kernels' arithmetic in the other tests; it compiles nothing. Here
+Triton compiles them for real, for sm_90 (H100), in child processes without TRITON_INTERPRET:
+  * through torch.compile: Inductor generates the code of a GPU graph holding our triton_ops
+    (tests/fake_gpu_compile.py) and compiles its kernels and ours, with the argument types it
+    gives them. The H100 run of 2026-11-23 failed here ("InductorError: SubprocException");
+  * through the eager launchers: every kernel at every tile configuration the launchers pick
+    (bert_fast.kernel_resources), held to the shared-memory and register-spill limits.
+Each child's compiled kernels land in a Triton cache of the test's own, where the test finds
+one cubin per kernel it expects, compiled for sm_90.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bert_fast import kernel_resources
+from bert_fast.ops._triton import HAS_TRITON
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+pytestmark = [
+    pytest.mark.skipif(not HAS_TRITON, reason="needs triton"),
+    pytest.mark.skipif(torch.cuda.is_available(),
+                       reason="on a GPU the GPU tests compile and run the kernels for real"),
+]
+
+# The kernels each torch.compile scenario must compile (Inductor's own kernels come beside them).
+INFERENCE_KERNELS = {"_embedding_sum_fwd_kernel", "_attention_fwd_kernel", "_add_layernorm_fwd_kernel",
+                     "_bias_act_fwd_kernel"}
+TRAINING_KERNELS = INFERENCE_KERNELS | {
+    "_attention_bwd_preprocess_kernel", "_attention_bwd_dkdv_kernel", "_attention_bwd_dq_kernel",
+    "_add_layernorm_bwd_kernel", "_bias_act_bwd_kernel", "_embedding_sum_bwd_kernel",
+    "_embedding_sum_bwd_pos_kernel", "_embedding_sum_bwd_chunk_kernel", "_embedding_sum_bwd_carry_kernel"}
+
+
+def _child_env(tmp_path):
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+               TRITON_CACHE_DIR=str(tmp_path / "triton"), PYTHONPATH=str(REPO))
+    env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def _run(args, tmp_path, timeout=900):
+    done = subprocess.run([sys.executable, *args], cwd=REPO, env=_child_env(tmp_path), capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, f"{' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return done.stdout
+
+
+def _compiled_kernels(triton_cache):
+    """{kernel name: set of target archs} of the cubins in a Triton cache."""
+    found = {}
+    for metadata in pathlib.Path(triton_cache).rglob("*.json"):
+        if metadata.name.startswith("__grp__"):
+            continue
+        meta = json.loads(metadata.read_text())
+        if (metadata.parent / f"{meta['name']}.cubin").exists():
+            found.setdefault(meta["name"], set()).add(meta["target"]["arch"])
+    return found
+
+
+@pytest.mark.parametrize("scenario, kernels", [("inference", INFERENCE_KERNELS), ("training-ops", TRAINING_KERNELS)])
+def test_torch_compile_generates_and_compiles_our_kernels_for_sm90(scenario, kernels, tmp_path):
+    """FastBERTEncoder (every valid_lens form, skip_padding; bf16 and fp32) and the forward and
+    backward ops with dropout, padded and packed: Inductor's code for an H100 compiles. Without
+    the kernels' fp32 cast of float arguments this fails as the H100 run did; without
+    nothing_to_launch, skip_padding's unbacked token count stops the trace."""
+    out = _run(["-m", "tests.fake_gpu_compile", scenario], tmp_path)
+    assert out.count("compiled:") == (8 if scenario == "inference" else 2), out
+    compiled = _compiled_kernels(tmp_path / "triton")
+    missing = sorted(k for k in kernels if 90 not in compiled.get(k, ()))
+    assert not missing, f"no sm_90 cubin for {missing}; compiled: {sorted(compiled)}"
+
+
+def test_every_kernel_compiles_for_gpus_within_their_limits(tmp_path):
+    """Every launch path of the triton backend, compiled ahead of time for sm_90, bf16 and fp32
+    (the two tile tables), head dims 64, 32, 96 and 192: each compiles, fits the shared memory
+    of every GPU from sm_80 on (kernel_resources.PORTABLE_SHARED_LIMIT) and spills no more than
+    kernel_resources.LOCAL_LIMIT bytes per thread. Every kernel in the op files is among them."""
+    report = tmp_path / "kernels.json"
+    _run(["-m", "bert_fast.kernel_resources", "--arch", "90", "--dtype", "bf16", "--dtype", "fp32",
+          "--json", str(report)], tmp_path)
+    records = [kernel_resources.KernelRecord(**r) for r in json.loads(report.read_text())]
+    assert not kernel_resources.violations(records)
+    assert {r.arch for r in records} == {90}
+    defined = kernel_resources.defined_kernels()
+    assert defined and not defined - {r.kernel for r in records}, defined - {r.kernel for r in records}
+    # The tile table's largest forward tile is held to the limit for real: it needs over half of it.
+    attention = [r for r in records if r.kernel == "_attention_fwd_kernel"]
+    assert max(r.shared_bytes for r in attention) > kernel_resources.PORTABLE_SHARED_LIMIT // 2
+
+
+def test_violations_name_the_kernel_and_the_limit():
+    record = kernel_resources.KernelRecord("_k", 90, {"BLOCK_M": 256}, 8, 3, shared_bytes=200_000, registers=255,
+                                           local_bytes=512, stack_bytes=512)
+    problems = kernel_resources.violations([record])
+    assert len(problems) == 2
+    assert "_k sm_90" in problems[0] and "200000 B of shared memory" in problems[0]
+    assert "512 B of local memory" in problems[1]
