@@ -13,7 +13,8 @@ types a Python float argument fp64 (Triton's own launcher: fp32), which our atte
 loop could not compile with. This reproduces that error on the CPU.
 
 Scenarios: "inference" compiles FastBERTEncoder (backend triton) for each valid_lens form and
-skip_padding, bf16 and fp32; "training-ops" compiles a graph of every registered forward and
+skip_padding, bf16 and fp32; "hf-inference" a Hugging Face BertModel after optimize() (padded
+and skip_padding, bf16 and fp32); "training-ops" compiles a graph of every registered forward and
 backward op with dropout on (autograd cannot record on fake CUDA tensors without a CUDA
 runtime, so the backward ops are called directly).
 """
@@ -108,6 +109,23 @@ def _basic_contiguous(original):
     return contiguous
 
 
+def _basic_to(original):
+    """Tensor.to for fake CUDA tensors, through ATen's _to_copy (same reason as above)."""
+    def to(self, *args, **kwargs):
+        if self.device.type != "cuda":
+            return original(self, *args, **kwargs)
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        device = torch.device(device) if device is not None else self.device
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", 0)
+        dtype = dtype or self.dtype
+        if device == self.device and dtype == self.dtype and memory_format in (None, torch.preserve_format):
+            return self
+        return torch.ops.aten._to_copy.default(self, dtype=dtype, device=device,
+                                               memory_format=memory_format or torch.preserve_format)
+    return to
+
+
 def _returning(value):
     def stand_in(*args, **kwargs):
         return value
@@ -151,6 +169,10 @@ def pretend_hopper():
     fake_tensor.init_gpu_context = lambda device: None
     torch.Tensor.__getitem__ = _basic_getitem(torch.Tensor.__getitem__)
     torch.Tensor.contiguous = _basic_contiguous(torch.Tensor.contiguous)
+    torch.Tensor.to = _basic_to(torch.Tensor.to)
+    original_invert = torch.Tensor.__invert__
+    torch.Tensor.__invert__ = lambda self: (torch.ops.aten.bitwise_not.default(self) if self.device.type == "cuda"
+                                            else original_invert(self))
 
     # Inductor's pattern passes and constant folding run real ops on example CUDA tensors; they
     # rewrite ATen ops only, never a triton_op's kernels.
@@ -211,7 +233,24 @@ def inference():
                 for valid_lens in lengths:
                     compile_graph(encoder, (tokens, segments, valid_lens))
                     print(f"compiled: inference {dtype} skip_padding={skip_padding} "
-                          f"valid_lens {None if valid_lens is None else tuple(valid_lens.shape)}")
+                          f"valid_lens {None if valid_lens is None else tuple(valid_lens.shape)}", flush=True)
+
+
+def hf_inference():
+    from transformers import BertConfig, BertModel
+    import bert_fast
+    config = BertConfig(vocab_size=100, hidden_size=128, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=256, max_position_embeddings=64)
+    for dtype in (torch.bfloat16, torch.float32):
+        for skip_padding in (False, True):
+            model = BertModel(config).eval().to(dtype)
+            bert_fast.optimize(model, backend="triton", skip_padding=skip_padding)
+            with fake_mode(), torch.no_grad():
+                model.to_empty(device="cuda")
+                input_ids = torch.zeros(2, 24, dtype=torch.long, device="cuda")
+                attention_mask = torch.ones(2, 24, dtype=torch.long, device="cuda")
+                compile_graph(model, (input_ids, attention_mask))
+                print(f"compiled: HF BertModel {dtype} skip_padding={skip_padding}", flush=True)
 
 
 class _TrainingOps(torch.nn.Module):
@@ -273,10 +312,10 @@ def training_ops():
                       cuda(hidden, 3 * hidden), cuda(hidden), cuda(batch, seqlen, dtype=torch.float32),
                       cuda(batch + 1, dtype=torch.int32), cuda(1, dtype=torch.long))
             compile_graph(_TrainingOps(), inputs)
-            print(f"compiled: training ops {dtype}")
+            print(f"compiled: training ops {dtype}", flush=True)
 
 
-SCENARIOS = {"inference": inference, "training-ops": training_ops}
+SCENARIOS = {"inference": inference, "hf-inference": hf_inference, "training-ops": training_ops}
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ pytestmark = [
 # The kernels each torch.compile scenario must compile (Inductor's own kernels come beside them).
 INFERENCE_KERNELS = {"_embedding_sum_fwd_kernel", "_attention_fwd_kernel", "_add_layernorm_fwd_kernel",
                      "_bias_act_fwd_kernel"}
+HF_KERNELS = {"_attention_fwd_kernel", "_add_layernorm_fwd_kernel", "_bias_act_fwd_kernel"}   # (embeddings: PyTorch)
 TRAINING_KERNELS = INFERENCE_KERNELS | {
     "_attention_bwd_preprocess_kernel", "_attention_bwd_dkdv_kernel", "_attention_bwd_dq_kernel",
     "_add_layernorm_bwd_kernel", "_bias_act_bwd_kernel", "_embedding_sum_bwd_kernel",
@@ -66,14 +67,20 @@ def _compiled_kernels(triton_cache):
     return found
 
 
-@pytest.mark.parametrize("scenario, kernels", [("inference", INFERENCE_KERNELS), ("training-ops", TRAINING_KERNELS)])
-def test_torch_compile_generates_and_compiles_our_kernels_for_sm90(scenario, kernels, tmp_path):
-    """FastBERTEncoder (every valid_lens form, skip_padding; bf16 and fp32) and the forward and
-    backward ops with dropout, padded and packed: Inductor's code for an H100 compiles. Without
-    the kernels' fp32 cast of float arguments this fails as the H100 run did; without
-    nothing_to_launch, skip_padding's unbacked token count stops the trace."""
+SCENARIOS = [("inference", INFERENCE_KERNELS, 8), ("hf-inference", HF_KERNELS, 4), ("training-ops", TRAINING_KERNELS, 2)]
+
+
+@pytest.mark.parametrize("scenario, kernels, graphs", SCENARIOS, ids=[s[0] for s in SCENARIOS])
+def test_torch_compile_generates_and_compiles_our_kernels_for_sm90(scenario, kernels, graphs, tmp_path):
+    """FastBERTEncoder (every valid_lens form, skip_padding; bf16 and fp32), an HF BertModel
+    after optimize(), and the forward and backward ops with dropout, padded and packed:
+    Inductor's code for an H100 compiles. Without the kernels' fp32 cast of float arguments
+    this fails as the H100 run did; without nothing_to_launch, skip_padding's unbacked token
+    count stops the trace."""
+    if scenario == "hf-inference":
+        pytest.importorskip("transformers")
     out = _run(["-m", "tests.fake_gpu_compile", scenario], tmp_path)
-    assert out.count("compiled:") == (8 if scenario == "inference" else 2), out
+    assert out.count("compiled:") == graphs, out
     compiled = _compiled_kernels(tmp_path / "triton")
     missing = sorted(k for k in kernels if 90 not in compiled.get(k, ()))
     assert not missing, f"no sm_90 cubin for {missing}; compiled: {sorted(compiled)}"
