@@ -67,7 +67,9 @@ def _compiled_kernels(triton_cache):
     return found
 
 
-SCENARIOS = [("inference", INFERENCE_KERNELS, 8), ("hf-inference", HF_KERNELS, 4), ("training-ops", TRAINING_KERNELS, 2)]
+# (scenario, kernels it must compile, graphs it compiles)
+SCENARIOS = [("inference", INFERENCE_KERNELS, 8), ("hf-inference", HF_KERNELS, 4),
+             ("training-ops", TRAINING_KERNELS, 2)]
 
 
 @pytest.mark.parametrize("scenario, kernels, graphs", SCENARIOS, ids=[s[0] for s in SCENARIOS])
