@@ -188,7 +188,8 @@ def test_gpu_compiled_modes_match_eager(backend, mode):
     """Inference: the compiled module's outputs equal eager's over several calls (reduce-overhead
     records a CUDA graph, then replays it; each call's inputs differ). Training (default mode):
     the same parameter gradients. The H100 run of 2026-11-23 saw reduce-overhead fail with an
-    InductorError from a compile subprocess: this test shows the whole message."""
+    InductorError from a compile subprocess (the kernels' float arguments, typed fp64 by
+    Inductor; reproduced and fixed on the CPU, tests/test_fake_gpu_compile.py)."""
     torch._dynamo.reset()
     _, fast = encoder_pair(encoder_config(num_layers=2), backend=backend)
     fast = fast.cuda()
