@@ -7,16 +7,21 @@ Triton compiles them for real, for sm_90 (H100), in child processes without TRIT
     gives them. The H100 run of 2026-11-23 failed here ("InductorError: SubprocException");
   * through the eager launchers: every kernel at every tile configuration the launchers pick
     (bert_fast.kernel_resources), held to the shared-memory and register-spill limits.
-Each child's compiled kernels land in a Triton cache of the test's own, where the test finds
-one cubin per kernel it expects, compiled for sm_90.
+Each child's compiled kernels land in a Triton cache of its own, where the test finds one cubin
+per kernel it expects, compiled for sm_90. The children start when collection ends
+(conftest.py) and run beside the rest of the suite.
 """
 
+import atexit
+import importlib.util
 import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -42,18 +47,65 @@ TRAINING_KERNELS = INFERENCE_KERNELS | {
     "_embedding_sum_bwd_pos_kernel", "_embedding_sum_bwd_chunk_kernel", "_embedding_sum_bwd_carry_kernel"}
 
 
-def _child_env(tmp_path):
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
-               TRITON_CACHE_DIR=str(tmp_path / "triton"), PYTHONPATH=str(REPO))
-    env.pop("TRITON_INTERPRET", None)
-    return env
+class _Child:
+    """One child process that compiles for sm_90 (a minute or two of CPU), started once per
+    session: by conftest.py when collection ends, so that it runs on the second core beside the
+    rest of the suite, or else by the first test that reads it. Its output and caches live in a
+    directory of its own, removed at exit."""
+
+    def __init__(self, *args):
+        self.args, self.process = args, None
+        self.workdir = pathlib.Path(tempfile.mkdtemp(prefix="bert_fast-sm90-"))
+        atexit.register(self._clean_up)
+
+    def start(self):
+        if self.process is None:
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(self.workdir / "inductor"),
+                       TRITON_CACHE_DIR=str(self.workdir / "triton"), PYTHONPATH=str(REPO))
+            env.pop("TRITON_INTERPRET", None)
+            with open(self.workdir / "stdout", "w") as out, open(self.workdir / "stderr", "w") as err:
+                self.process = subprocess.Popen([sys.executable, *self.args], cwd=REPO, env=env, stdout=out,
+                                                stderr=err)
+        return self
+
+    def stdout(self, timeout=900):
+        """The child's output once it has exited; the test fails with its stderr if it failed."""
+        self.start().process.wait(timeout)
+        out, err = ((self.workdir / name).read_text() for name in ("stdout", "stderr"))
+        assert self.process.returncode == 0, f"{' '.join(self.args)} failed:\n{out[-3000:]}\n{err[-6000:]}"
+        return out
+
+    def _clean_up(self):
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def _run(args, tmp_path, timeout=900):
-    done = subprocess.run([sys.executable, *args], cwd=REPO, env=_child_env(tmp_path), capture_output=True,
-                          text=True, timeout=timeout)
-    assert done.returncode == 0, f"{' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    return done.stdout
+CHILDREN = {scenario: _Child("-m", "tests.fake_gpu_compile", scenario)
+            for scenario in ("inference", "hf-inference", "training-ops")}
+CHILDREN["kernel-resources"] = _Child("-m", "bert_fast.kernel_resources", "--arch", "90", "--dtype", "bf16",
+                                      "--dtype", "fp32")
+CHILDREN["kernel-resources"].args += ("--json", str(CHILDREN["kernel-resources"].workdir / "kernels.json"))
+
+
+def _child_of(item):
+    params = getattr(item, "callspec", None)
+    return CHILDREN.get(params.params.get("scenario") if params else None) or (
+        CHILDREN["kernel-resources"] if item.name == "test_every_kernel_compiles_for_gpus_within_their_limits"
+        else None)
+
+
+def start_children(items):
+    """From conftest.py when collection ends: start the children the selected tests will read."""
+    if not HAS_TRITON or torch.cuda.is_available():
+        return
+    for item in items:
+        if getattr(item, "module", None) is not sys.modules[__name__]:
+            continue
+        child = _child_of(item)
+        if child is not None and (child is not CHILDREN["hf-inference"] or importlib.util.find_spec("transformers")):
+            child.start()
 
 
 def _compiled_kernels(triton_cache):
@@ -74,7 +126,7 @@ SCENARIOS = [("inference", INFERENCE_KERNELS, 12), ("hf-inference", HF_KERNELS, 
 
 
 @pytest.mark.parametrize("scenario, kernels, graphs", SCENARIOS, ids=[s[0] for s in SCENARIOS])
-def test_torch_compile_generates_and_compiles_our_kernels_for_sm90(scenario, kernels, graphs, tmp_path):
+def test_torch_compile_generates_and_compiles_our_kernels_for_sm90(scenario, kernels, graphs):
     """FastBERTEncoder (every valid_lens form, skip_padding; bf16 and fp32; default mode and
     reduce-overhead's CUDA graphs, which Inductor keeps), an HF BertModel after optimize(), and
     the forward and backward ops with dropout, padded and packed: Inductor's code for an H100
@@ -83,24 +135,24 @@ def test_torch_compile_generates_and_compiles_our_kernels_for_sm90(scenario, ker
     count stops the trace."""
     if scenario == "hf-inference":
         pytest.importorskip("transformers")
-    out = _run(["-m", "tests.fake_gpu_compile", scenario], tmp_path)
+    child = CHILDREN[scenario]
+    out = child.stdout()
     assert out.count("compiled:") == graphs, out
     # reduce-overhead (inference): Inductor keeps the CUDA graphs (the input check outside them).
     assert "cudagraph skips" not in out or set(re.findall(r"cudagraph skips (\d+)", out)) == {"0"}, out
-    compiled = _compiled_kernels(tmp_path / "triton")
+    compiled = _compiled_kernels(child.workdir / "triton")
     missing = sorted(k for k in kernels if 90 not in compiled.get(k, ()))
     assert not missing, f"no sm_90 cubin for {missing}; compiled: {sorted(compiled)}"
 
 
-def test_every_kernel_compiles_for_gpus_within_their_limits(tmp_path):
+def test_every_kernel_compiles_for_gpus_within_their_limits():
     """Every launch path of the triton backend, compiled ahead of time for sm_90, bf16 and fp32
     (the two tile tables), head dims 64, 32, 96 and 192: each compiles, fits the shared memory
     of every GPU from sm_80 on (kernel_resources.PORTABLE_SHARED_LIMIT) and spills no more than
     kernel_resources.LOCAL_LIMIT bytes per thread. Every kernel in the op files is among them."""
-    report = tmp_path / "kernels.json"
-    _run(["-m", "bert_fast.kernel_resources", "--arch", "90", "--dtype", "bf16", "--dtype", "fp32",
-          "--json", str(report)], tmp_path)
-    records = [kernel_resources.KernelRecord(**r) for r in json.loads(report.read_text())]
+    child = CHILDREN["kernel-resources"]
+    child.stdout()
+    records = [kernel_resources.KernelRecord(**r) for r in json.loads((child.workdir / "kernels.json").read_text())]
     assert not kernel_resources.violations(records)
     assert {r.arch for r in records} == {90}
     defined = kernel_resources.defined_kernels()
