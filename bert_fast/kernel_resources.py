@@ -11,8 +11,8 @@ dynamic shared memory (Triton's metadata) and the registers and local memory per
 Triton's interpreter, which runs the kernels in the CPU tests, checks none of this: it accepts
 code the compiler rejects, and knows nothing of shared memory or registers. A kernel that needs
 more shared memory than the GPU has fails at its first launch ("out of resource"); one that
-spills runs slowly. The tests (tests/test_kernel_resources.py) hold every kernel to the limits
-below on both targets, for the tile tables in the op files.
+spills runs slowly. tests/test_fake_gpu_compile.py holds every kernel to the limits below for
+sm_90 in bf16 and fp32 (the two tile tables); this command's default adds sm_80 and fp16.
 
 The kernels' outputs are never computed: the launchers' output buffers stay uninitialised, so
 this is for compiling, not for checking values. Run it in a process of its own, without
@@ -59,9 +59,10 @@ class KernelRecord:
     stack_bytes: int
 
 
-class _TargetDriver:
-    """What ``JITFunction.warmup`` asks of Triton's active driver, answered for a named target.
-    warmup compiles without launching, so no device, stream or CUDA driver is ever touched."""
+class TargetDriver:
+    """What compiling a kernel asks of Triton's active driver (``JITFunction.warmup`` here,
+    Inductor's compile step in tests/fake_gpu_compile.py), answered for a named target: nothing
+    is launched, so no device, stream or CUDA driver is ever touched."""
 
     def __init__(self, arch):
         from triton.backends.compiler import GPUTarget
@@ -168,7 +169,7 @@ def compiling_for(arch):
     with tempfile.TemporaryDirectory() as workdir:
         session = _Session(arch, workdir)
         previous_driver = getattr(driver, "_active", None)     # None where no GPU driver loaded
-        driver.set_active(_TargetDriver(arch))
+        driver.set_active(TargetDriver(arch))
         _triton._KERNELS_ON_CPU[0] = True
         try:
             for module in op_modules:
@@ -290,6 +291,8 @@ def main(argv=None):
     parser.add_argument("--dtype", action="append", choices=sorted(DTYPES), help="repeatable (default: all)")
     parser.add_argument("--json", metavar="PATH", help="also write the records as JSON to PATH")
     args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        parser.error("TRITON_INTERPRET=1 is set: the interpreter replaces the kernels this compiles; unset it")
     records = collect(tuple(args.arch or (90, 80)), tuple(args.dtype or DTYPES))
     print(_table(records))
     if args.json:

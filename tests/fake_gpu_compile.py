@@ -47,26 +47,6 @@ class _NoDevice:
         return False
 
 
-class _TargetDriver:
-    """Triton's active driver, as far as compiling (not loading) asks it: the sm_90 target."""
-
-    def __init__(self):
-        from triton.backends.compiler import GPUTarget
-        self.target = GPUTarget("cuda", 90, 32)
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return self.target
-
-    def is_active(self):
-        return True
-
-
 def _basic_getitem(original):
     """Tensor.__getitem__ for fake CUDA tensors, through ATen ops: the C++ indexing entry
     switches the current CUDA device first, which needs a CUDA driver."""
@@ -185,7 +165,8 @@ def pretend_hopper():
     # Compile, but do not load onto a device: what Inductor's workers do (warm_cache_only).
     heuristics.CachingAutotuner._make_launchers = lambda self: None
     triton_helpers.set_driver_to_gpu = lambda: None
-    triton.runtime.driver.set_active(_TargetDriver())
+    from bert_fast.kernel_resources import TargetDriver
+    triton.runtime.driver.set_active(TargetDriver(90))
 
 
 def _encoder(dtype, **options):
