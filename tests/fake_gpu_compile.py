@@ -13,10 +13,15 @@ types a Python float argument fp64 (Triton's own launcher: fp32), which our atte
 loop could not compile with. This reproduces that error on the CPU.
 
 Scenarios: "inference" compiles FastBERTEncoder (backend triton) for each valid_lens form and
-skip_padding, bf16 and fp32, and once more each as mode="reduce-overhead" would (CUDA graphs); "hf-inference" a Hugging Face BertModel after optimize() (padded
-and skip_padding, bf16 and fp32); "training-ops" compiles a graph of every registered forward and
-backward op with dropout on (autograd cannot record on fake CUDA tensors without a CUDA
-runtime, so the backward ops are called directly).
+skip_padding, bf16 and fp32, and once more each as mode="reduce-overhead" would (CUDA graphs);
+"hf-inference" a Hugging Face BertModel after optimize() (padded and skip_padding, bf16 and
+fp32); "training-ops" a graph of every registered forward and backward op with dropout on
+(autograd cannot record on fake CUDA tensors without a CUDA runtime, so the backward ops are
+called directly).
+
+The stand-ins (pretend_hopper) are what torch 2.11 and 2.13 need, found by running this: a
+future PyTorch may ask the CUDA runtime for something new, and this then fails with a CUDA or
+"not linked with support for cuda devices" error outside Inductor's Triton compile step.
 """
 
 import os
@@ -148,6 +153,8 @@ def pretend_hopper():
     import torch._subclasses.fake_tensor as fake_tensor
 
     fake_tensor.init_gpu_context = lambda device: None
+    # Tensor methods written in C++ that switch the current CUDA device first (which needs a
+    # driver) go through ATen ops on fake CUDA tensors: indexing, .contiguous(), .to(), ~.
     torch.Tensor.__getitem__ = _basic_getitem(torch.Tensor.__getitem__)
     torch.Tensor.contiguous = _basic_contiguous(torch.Tensor.contiguous)
     torch.Tensor.to = _basic_to(torch.Tensor.to)
