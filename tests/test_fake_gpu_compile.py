@@ -90,10 +90,12 @@ CHILDREN["kernel-resources"].args += ("--json", str(CHILDREN["kernel-resources"]
 
 
 def _child_of(item):
-    params = getattr(item, "callspec", None)
-    return CHILDREN.get(params.params.get("scenario") if params else None) or (
-        CHILDREN["kernel-resources"] if item.name == "test_every_kernel_compiles_for_gpus_within_their_limits"
-        else None)
+    """The child a test of this file reads, if any."""
+    if hasattr(item, "callspec"):
+        return CHILDREN[item.callspec.params["scenario"]]
+    if item.originalname == "test_every_kernel_compiles_for_gpus_within_their_limits":
+        return CHILDREN["kernel-resources"]
+    return None
 
 
 def start_children(items):
