@@ -178,11 +178,9 @@ def pretend_hopper():
 
 def _encoder(dtype, **options):
     from bert_fast import FastBERTEncoder
-    hidden, heads = 128, 2
-    return FastBERTEncoder(vocab_size=100, num_hiddens=hidden, norm_shape=[hidden], ffn_num_input=hidden,
-                           ffn_num_hiddens=2 * hidden, num_heads=heads, num_layers=1, dropout=0.1, max_len=64,
-                           key_size=hidden, query_size=hidden, value_size=hidden, backend="triton",
-                           **options).to(dtype).eval()
+    from tests.helpers import encoder_config
+    config = encoder_config(num_heads=2, head_dim=64, num_layers=1, vocab_size=100, dropout=0.1)
+    return FastBERTEncoder(**config, backend="triton", **options).to(dtype).eval()
 
 
 def fake_mode():
