@@ -20,9 +20,14 @@ layer (the profiler's device events).
 What a CPU measurement does and does not show: the modules' Python, the autograd machinery,
 the dispatcher and the allocations are the same on CPU and GPU tensors; the kernels are not.
 On CPU tensors the "triton" backend runs its ops' CPU kernels (plain PyTorch: SDPA, one
-native_layer_norm, addmm with the ReLU epilogue), not Triton's launcher, whose own cost shows
-only on a GPU; the "cuda" backend runs the extension's C++ ops. So on a GPU run this benchmark
-again: it is the one that counts launches and sees Triton's launcher.
+native_layer_norm, addmm with the ReLU epilogue); the "cuda" backend runs the extension's C++
+ops. The row "fast[triton] GPU path" (CPU only, where Triton is installed) runs what a CUDA
+tensor runs instead: the triton backend's launchers, tile choices and Functions, on CPU
+tensors, up to Triton's own launcher, which is replaced by a counter (gpu_launch_path: the
+kernels are counted, never run, so its outputs are not computed). Its "launches / layer" are
+those counted Triton launches. Triton's launcher itself (argument binding, the kernel cache,
+the driver call) and the GEMMs' cuBLAS calls show only on a GPU: on a GPU run this benchmark
+again, which counts every launch with the profiler.
 
 Each run prints its tables and writes a record to --json PATH, by default
 benchmarks/results/<device>-<date>T<time>-host.json under the working directory (--no-record:
@@ -30,6 +35,7 @@ none), and prints where.
 """
 
 import argparse
+import contextlib
 import datetime
 import statistics
 import sys
@@ -44,12 +50,14 @@ from .bench_common import (HOST_RECORD_KIND, Progress, add_record_options, defau
                            _rotated)
 from .backend import available_backends, resolve_backend
 from .modules import FastBERTEncoder
+from .ops import _triton
 from .reference import BERTEncoder
 
 SHAPE = dict(num_layers=12, num_hiddens=64, num_heads=4, ffn_num_hiddens=256, batch=1, seq=8)
 VOCAB_SIZE = 1000      # small tables: the reference's dense embedding gradient stays negligible
 MODES = ("forward", "forward+backward")
 BASELINE = "reference"
+GPU_PATH = "fast[triton] GPU path"
 
 
 def encoder_config(num_layers, num_hiddens, num_heads, ffn_num_hiddens, seq, dropout):
@@ -59,16 +67,55 @@ def encoder_config(num_layers, num_hiddens, num_heads, ffn_num_hiddens, seq, dro
                 query_size=num_hiddens, value_size=num_hiddens)
 
 
-def build_models(config, backends, device, check_inputs=True, seed=0):
-    """{name: module}: the reference and a FastBERTEncoder per backend, on the reference's weights."""
+def build_models(config, backends, device, check_inputs=True, seed=0, gpu_path=False):
+    """{name: module}: the reference and a FastBERTEncoder per backend, on the reference's
+    weights; with ``gpu_path`` one more triton one, for the GPU_PATH row (see gpu_launch_path)."""
     torch.manual_seed(seed)
     reference = BERTEncoder(**config).to(device)
     models = {BASELINE: reference}
-    for backend in backends:
-        fast = FastBERTEncoder(**config, backend=backend, check_inputs=check_inputs).to(device)
-        fast.load_state_dict(reference.state_dict())
-        models[f"fast[{backend}]"] = fast
+    names = [(f"fast[{backend}]", backend) for backend in backends] + ([(GPU_PATH, "triton")] if gpu_path else [])
+    for name, backend in names:
+        models[name] = FastBERTEncoder(**config, backend=backend, check_inputs=check_inputs).to(device)
+        models[name].load_state_dict(reference.state_dict())
     return models
+
+
+class _LaunchCounter:
+    """Stands in for Triton's ``JITFunction.run`` (and the interpreter's): counts, launches nothing."""
+    launches = 0
+
+    def run(self, *args, grid, warmup=False, **kwargs):
+        _LaunchCounter.launches += 1
+
+
+def gpu_path_available(device):
+    """Whether the GPU_PATH row can run: CPU tensors, and Triton installed."""
+    return device.type == "cpu" and _triton.HAS_TRITON
+
+
+@contextlib.contextmanager
+def gpu_launch_path():
+    """Within: CPU tensors take the triton backend's GPU eager path (the launchers, their
+    Functions, tile choices and launch arguments, as for CUDA tensors), and every Triton kernel
+    launch is counted in ``_LaunchCounter.launches`` instead of run. The kernels' outputs are
+    left unwritten: for measuring host work, never for values."""
+    from triton.runtime.jit import JITFunction
+    classes = [JITFunction]
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+        classes.append(InterpretedFunction)
+    except ImportError:       # pragma: no cover - a Triton without an interpreter
+        pass
+    saved = [vars(cls)["run"] for cls in classes]
+    for cls in classes:
+        cls.run = _LaunchCounter.run
+    _triton._KERNELS_ON_CPU[0] = True
+    try:
+        yield
+    finally:
+        _triton._KERNELS_ON_CPU[0] = False
+        for cls, run in zip(classes, saved):
+            cls.run = run
 
 
 class _OpCounter(TorchDispatchMode):
@@ -96,6 +143,11 @@ def _prepare(models, mode):
         model.zero_grad(set_to_none=True)
 
 
+def _context(name):
+    """What a row's calls run in: gpu_launch_path for GPU_PATH, else nothing."""
+    return gpu_launch_path() if name == GPU_PATH else contextlib.nullcontext()
+
+
 def count_ops(model, mode, inputs):
     """ATen operator calls of one call (after warmup)."""
     counter = _OpCounter()
@@ -105,8 +157,14 @@ def count_ops(model, mode, inputs):
     return counter.calls
 
 
-def count_launches(model, mode, inputs, device):
-    """CUDA kernel launches (kernels, memcpys, memsets) of one call, from the profiler; None off CUDA."""
+def count_launches(model, mode, inputs, device, name=None):
+    """CUDA kernel launches (kernels, memcpys, memsets) of one call, from the profiler; for the
+    GPU_PATH row the Triton launches counted; else None off CUDA."""
+    if name == GPU_PATH:
+        before = _LaunchCounter.launches
+        _call(model, mode, inputs)
+        model.zero_grad(set_to_none=True)
+        return _LaunchCounter.launches - before
     if device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -133,24 +191,25 @@ def time_mode(models, mode, inputs, device, rounds, calls, warmup, progress=None
             if progress is not None:
                 what = "warmup" if round_index < 0 else f"round {round_index + 1}/{rounds}"
                 progress.update(f"{mode}: {name}: {what}")
-            if mode == "forward":
-                synchronize(device)
-                start = time.perf_counter()
-                with torch.inference_mode():
-                    for _ in range(calls):
-                        model(*inputs)
-                synchronize(device)
-                seconds = (time.perf_counter() - start) / calls
-            else:
-                samples = []
-                for _ in range(calls):
-                    model.zero_grad(set_to_none=True)
+            with _context(name):
+                if mode == "forward":
                     synchronize(device)
                     start = time.perf_counter()
-                    model(*inputs).sum().backward()
+                    with torch.inference_mode():
+                        for _ in range(calls):
+                            model(*inputs)
                     synchronize(device)
-                    samples.append(time.perf_counter() - start)
-                seconds = statistics.median(samples)
+                    seconds = (time.perf_counter() - start) / calls
+                else:
+                    samples = []
+                    for _ in range(calls):
+                        model.zero_grad(set_to_none=True)
+                        synchronize(device)
+                        start = time.perf_counter()
+                        model(*inputs).sum().backward()
+                        synchronize(device)
+                        samples.append(time.perf_counter() - start)
+                    seconds = statistics.median(samples)
             if round_index >= 0:
                 per_round[name].append(1e6 * seconds)
     return per_round
@@ -177,16 +236,19 @@ def run(options, progress):
     device = options.device
     config = encoder_config(options.layers, options.hidden, options.heads, options.ffn, options.seq,
                             options.dropout)
-    models = build_models(config, options.backends, device, check_inputs=options.check_inputs)
+    models = build_models(config, options.backends, device, check_inputs=options.check_inputs,
+                          gpu_path=options.gpu_path)
     inputs = tuple(make_inputs(options.batch, options.seq, 0.5, VOCAB_SIZE, options.seed, device))
     rows = []
     for mode in options.modes:
         _prepare(models, mode)
-        for model in models.values():          # first calls: lazy initialisation, Triton compiles
-            for _ in range(2):
-                _call(model, mode, inputs)
-        ops = {name: count_ops(model, mode, inputs) for name, model in models.items()}
-        launches = {name: count_launches(model, mode, inputs, device) for name, model in models.items()}
+        ops, launches = {}, {}
+        for name, model in models.items():
+            with _context(name):
+                for _ in range(2):             # first calls: lazy initialisation, Triton compiles
+                    _call(model, mode, inputs)
+                ops[name] = count_ops(model, mode, inputs)
+                launches[name] = count_launches(model, mode, inputs, device, name)
         per_round = time_mode(models, mode, inputs, device, options.rounds, options.calls, options.warmup,
                               progress)
         rows += make_rows(mode, per_round, ops, launches, options.layers)
@@ -213,7 +275,9 @@ TIMING = ("host microseconds per call, median over interleaved rounds (rotating 
           "forward+backward: train mode, output.sum().backward(), each call timed alone (grads set to "
           "None before it, untimed; synchronize after it), the round's median. ATen ops: operator "
           "calls that reach a kernel (TorchDispatchMode), per layer = per call / layers; launches: "
-          "CUDA kernels, memcpys and memsets of one call (torch.profiler), per layer likewise")
+          "CUDA kernels, memcpys and memsets of one call (torch.profiler), per layer likewise; in the "
+          f"row {GPU_PATH!r} (CPU tensors through the GPU's eager path), the Triton launches counted in "
+          "place of running them (its GEMMs and other ATen calls are in the ATen ops)")
 
 
 def build_parser():
@@ -245,6 +309,10 @@ def build_parser():
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="the models' dropout (train mode, forward+backward); default 0: the host path "
                              "without dropout work")
+    parser.add_argument("--gpu-path", action=argparse.BooleanOptionalAction, default=None,
+                        help=f"the row '{GPU_PATH}': the triton backend's GPU eager path on CPU tensors, "
+                             "Triton's kernel launches counted instead of run (default: on where the device "
+                             "is the CPU and Triton is installed)")
     parser.add_argument("--check-inputs", action=argparse.BooleanOptionalAction, default=True,
                         help="FastBERTEncoder's check_inputs (default: on, as constructed by users)")
     parser.add_argument("--rounds", type=int, metavar="N", default=15,
@@ -266,6 +334,10 @@ def parse_args(argv):
         parser.error(f"--hidden ({options.hidden}) must be divisible by --heads ({options.heads})")
     options.device = torch.device(options.device) if options.device else default_device()
     options.backends = options.backends or [b for b in available_backends() if b != "auto"]
+    if options.gpu_path is None:
+        options.gpu_path = gpu_path_available(options.device)
+    elif options.gpu_path and not gpu_path_available(options.device):
+        parser.error("--gpu-path runs on the CPU (a GPU runs the real path) and needs Triton installed")
     for backend in options.backends:
         try:
             resolve_backend(backend)

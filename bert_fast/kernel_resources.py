@@ -106,9 +106,9 @@ def _resource_usage(cubin, workdir):
 
 
 class _AheadOfTimeLaunch:
-    """Stands in for ``launch(kernel)``: ``[grid](*args, **kwargs)`` compiles, never launches."""
+    """Stands in for ``launch(kernel, like)``: ``[grid](*args, **kwargs)`` compiles, never launches."""
 
-    def __init__(self, kernel, session):
+    def __init__(self, kernel, like, session):
         self.kernel, self.session = kernel, session
 
     def __getitem__(self, grid):

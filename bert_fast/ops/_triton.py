@@ -88,12 +88,26 @@ def uses_triton(backend):
     return backend != "torch"
 
 
-def launch(kernel):
-    """``kernel[grid](...)`` in a form torch.compile can trace (torch.library.wrap_triton).
+_PROXY_MODE = torch._C._TorchDispatchModeKey.PROXY
+
+
+def launch(kernel, like):
+    """``kernel``, ready for ``[grid](...)``; ``like`` is one of the tensors it is launched on.
+
+    Eager, on plain tensors: the Triton kernel itself, launched by Triton's launcher alone.
+    While torch.compile, torch.export or make_fx trace (fake or functional tensors, a proxy
+    mode): torch.library.wrap_triton(kernel), which puts the launch in the graph. wrap_triton
+    outside a triton_op's eager dispatch (which switches it off) is not free: every launch goes
+    through its higher-order op, ~120 us of host time on the CI machine's CPU against ~2 for
+    the plain launch (tests/test_launch.py), and adds an entry to torch's global
+    ``kernel_side_table.constant_args`` that is never removed (memory that grows with every
+    launch of the eager path, which runs outside the registered ops).
 
     Under TRITON_INTERPRET=1 ``@triton.jit`` makes an InterpretedFunction, which launches as it
     is and which wrap_triton of torch < 2.13 rejects (2.13 returns it unchanged): returned as is.
     """
+    if type(like) is torch.Tensor and not torch.compiler.is_compiling() and torch._C._get_dispatch_mode(_PROXY_MODE) is None:
+        return kernel
     if HAS_TRITON and _interpreted(kernel):
         return kernel
     return torch.library.wrap_triton(kernel)

@@ -215,7 +215,7 @@ def _add_layernorm_fwd_triton(x, residual, weight, bias, eps, seed, dropout_p):
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if not nothing_to_launch(n_rows):
         block_h, rows_per_program, num_warps = _layernorm_blocks(hidden)
-        launch(_add_layernorm_fwd_kernel)[(triton.cdiv(n_rows, rows_per_program),)](
+        launch(_add_layernorm_fwd_kernel, out)[(triton.cdiv(n_rows, rows_per_program),)](
             x2, residual2, weight, bias, out, mean, rstd,
             x2.stride(0), residual2.stride(0), n_rows, hidden, eps,
             dropout_p, _keep_scale(dropout_p), seed,
@@ -258,7 +258,7 @@ def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, d
     d_bias_partial = new((programs, hidden), torch.float32) if has_bias else None
     empty = nothing_to_launch(n_rows)
     if not empty:
-        launch(_add_layernorm_bwd_kernel)[(programs,)](
+        launch(_add_layernorm_bwd_kernel, d_residual)[(programs,)](
             grad2, x2, residual2, weight, mean, rstd,
             d_residual, d_x, d_weight_partial, d_bias_partial,
             grad2.stride(0), x2.stride(0), residual2.stride(0), n_rows, hidden,

@@ -621,7 +621,7 @@ def _launch_fwd(qkv, out, lse, counts, cu_seqlens, batch, num_heads, head_dim, m
     if max_seqlen == 0 or batch == 0:
         return
     grid = (triton.cdiv(max_seqlen, tiles.block_m), batch * num_heads)
-    launch(_attention_fwd_kernel)[grid](
+    launch(_attention_fwd_kernel, out)[grid](
         qkv, out, lse, counts, cu_seqlens,
         *_strides(qkv), *_strides(out), *_strides(lse),
         *(counts.stride() if counts is not None else (0, 0)),
@@ -639,7 +639,7 @@ def _launch_bwd(grad_out, qkv, out, lse, dqkv, counts, cu_seqlens, batch, num_he
         return
     lse = lse.contiguous()    # delta takes its layout, and the kernels read both with lse's strides
     delta = torch.empty_like(lse, dtype=torch.float32)
-    launch(_attention_bwd_preprocess_kernel)[(triton.cdiv(max_seqlen, dq_tiles.block_m), batch * num_heads)](
+    launch(_attention_bwd_preprocess_kernel, delta)[(triton.cdiv(max_seqlen, dq_tiles.block_m), batch * num_heads)](
         out, grad_out, delta, cu_seqlens, *_strides(out), *_strides(grad_out), *_strides(delta),
         num_heads, head_dim, max_seqlen,
         IS_VARLEN=cu_seqlens is not None, BLOCK_M=dq_tiles.block_m, BLOCK_D=block_d,
@@ -652,7 +652,7 @@ def _launch_bwd(grad_out, qkv, out, lse, dqkv, counts, cu_seqlens, batch, num_he
                  HAS_DROPOUT=dropout_p > 0.0, DOT_PRECISION=precision, BLOCK_D=block_d)
     for kernel, tiles, blocks in ((_attention_bwd_dkdv_kernel, dkdv_tiles, dkdv_tiles.block_n),
                                   (_attention_bwd_dq_kernel, dq_tiles, dq_tiles.block_m)):
-        launch(kernel)[(triton.cdiv(max_seqlen, blocks), batch * num_heads)](
+        launch(kernel, dqkv)[(triton.cdiv(max_seqlen, blocks), batch * num_heads)](
             *args, **flags, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
@@ -721,7 +721,7 @@ def _attention_dropout_keep_triton(batch, num_heads, max_seqlen, dropout_p, seed
     require_triton(keep)
     block_m = block_n = 16 if interpreting() else 64
     grid = (triton.cdiv(max_seqlen, block_m), triton.cdiv(max_seqlen, block_n), batch * num_heads)
-    launch(_attention_dropout_keep_kernel)[grid](keep, max_seqlen, dropout_p, seed,
+    launch(_attention_dropout_keep_kernel, keep)[grid](keep, max_seqlen, dropout_p, seed,
                                                  BLOCK_M=block_m, BLOCK_N=block_n)
     return keep.view(torch.bool)
 

@@ -178,7 +178,7 @@ def _bias_act_fwd_triton(h, bias, activation):
     if not nothing_to_launch(n_rows):
         block_m, block_n, num_warps = _bias_act_blocks(n_cols)
         grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
-        launch(_bias_act_fwd_kernel)[grid](
+        launch(_bias_act_fwd_kernel, out)[grid](
             h2, bias, out, n_rows, n_cols, h2.stride(0),
             ACTIVATION=activation, HAS_BIAS=bias is not None,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
@@ -207,7 +207,7 @@ def _bias_act_bwd_triton(grad_out, saved, bias, activation):
                       if bias is not None else None)
     empty = nothing_to_launch(n_rows)
     if not empty:
-        launch(_bias_act_bwd_kernel)[(row_programs, col_programs)](
+        launch(_bias_act_bwd_kernel, d_h)[(row_programs, col_programs)](
             grad2, saved2, bias, d_h, d_bias_partial, n_rows, n_cols, grad2.stride(0), saved2.stride(0),
             ACTIVATION=activation, HAS_BIAS=bias is not None,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)

@@ -415,7 +415,7 @@ def _embedding_sum_fwd_triton(tokens, segments, token_weight, segment_weight, po
     out = torch.empty((*tokens.shape, hidden), dtype=token_weight.dtype, device=token_weight.device)
     if not nothing_to_launch(n_rows):
         block_t, block_h, num_warps = _fwd_blocks(hidden)
-        launch(_embedding_sum_fwd_kernel)[(triton.cdiv(n_rows, block_t),)](
+        launch(_embedding_sum_fwd_kernel, out)[(triton.cdiv(n_rows, block_t),)](
             out, _flat_ids(tokens), _flat_ids(segments),
             _flat_ids(positions) if positions is not None else None,
             token_weight, segment_weight, pos_weight, n_rows, tokens.shape[-1], hidden,
@@ -458,7 +458,7 @@ def _sorted_row_sum(grad_rows, ids, n_table_rows, out_dtype):
     heads = torch.empty((n_chunks, hidden), dtype=torch.float32, device=grad_rows.device)
     tails = torch.empty_like(heads)
     h_blocks = triton.cdiv(hidden, block_h)
-    launch(_embedding_sum_bwd_chunk_kernel)[(n_chunks, h_blocks)](
+    launch(_embedding_sum_bwd_chunk_kernel, table_grad)[(n_chunks, h_blocks)](
         grad_rows, sorted_ids, order, table_grad, heads, tails, n_rows, hidden, n_table_rows,
         grad_rows.stride(0), grad_rows.stride(1), BLOCK_T=block_t, BLOCK_H=block_h,
         num_warps=num_warps)
@@ -469,7 +469,7 @@ def _sorted_row_sum(grad_rows, ids, n_table_rows, out_dtype):
         # kernel may not leave behind.
         last_rows = (torch.arange(n_chunks, device=ids.device) * block_t + (block_t - 1)).clamp(max=n_rows - 1)
         run_ends = torch.searchsorted(sorted_ids, sorted_ids[last_rows], right=True)
-        launch(_embedding_sum_bwd_carry_kernel)[(torch.sym_max(n_chunks - 1, 0), h_blocks)](
+        launch(_embedding_sum_bwd_carry_kernel, table_grad)[(torch.sym_max(n_chunks - 1, 0), h_blocks)](
             sorted_ids, run_ends, heads, tails, table_grad, hidden, n_table_rows,
             BLOCK_T=block_t, BLOCK_C=CARRY_BLOCK, BLOCK_H=block_h, num_warps=num_warps)
     return table_grad
@@ -504,7 +504,7 @@ def _embedding_sum_bwd_triton(grad_out, tokens, segments, positions, n_tokens, n
         token_acc, segment_acc = fp32_zeros(n_tokens), fp32_zeros(n_segments)
         pos_acc = fp32_zeros(max_len) if scatter_positions else None
         if not nothing_to_launch(n_rows):
-            launch(_embedding_sum_bwd_kernel)[(triton.cdiv(n_rows, block_t), h_blocks)](
+            launch(_embedding_sum_bwd_kernel, grad_rows)[(triton.cdiv(n_rows, block_t), h_blocks)](
                 grad_rows, token_ids, segment_ids, position_ids, token_acc, segment_acc, pos_acc,
                 n_rows, hidden, n_tokens, n_segments, max_len, grad_rows.stride(0), grad_rows.stride(1),
                 SCATTER_POSITIONS=scatter_positions, BLOCK_T=block_t, BLOCK_H=block_h,
@@ -520,7 +520,7 @@ def _embedding_sum_bwd_triton(grad_out, tokens, segments, positions, n_tokens, n
     batch, seq_len = tokens.shape
     pos_grad = torch.zeros((1, max_len, hidden), dtype=dtype, device=device)
     if not nothing_to_launch(n_rows):
-        launch(_embedding_sum_bwd_pos_kernel)[(triton.cdiv(seq_len, block_t), h_blocks)](
+        launch(_embedding_sum_bwd_pos_kernel, pos_grad)[(triton.cdiv(seq_len, block_t), h_blocks)](
             grad_out, pos_grad, batch, seq_len, hidden,
             grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
             BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps)

@@ -112,7 +112,7 @@ def _embedding_layernorm_fwd_triton(tokens, segments, token_weight, segment_weig
     rstd = torch.empty_like(mean)
     if not nothing_to_launch(n_rows):
         block_t, block_h, num_warps = _fwd_blocks(hidden)
-        launch(_embedding_layernorm_fwd_kernel)[(triton.cdiv(n_rows, block_t),)](
+        launch(_embedding_layernorm_fwd_kernel, out)[(triton.cdiv(n_rows, block_t),)](
             out, mean, rstd, _flat_ids(tokens), _flat_ids(segments),
             _flat_ids(positions) if positions is not None else None,
             token_weight, segment_weight, pos_weight, weight, bias, n_rows, tokens.shape[-1], hidden,
