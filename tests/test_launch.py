@@ -120,3 +120,12 @@ def test_host_benchmark_times_the_gpu_path(capsys):
         assert gpu_path["launches_per_layer"] >= 1.5, gpu_path   # attention + 2 add-layernorms, embedding
         assert rows[(mode, "fast[torch]")]["launches_per_layer"] is None      # no launches on the CPU
     assert host_bench.GPU_PATH in capsys.readouterr().out
+
+
+def test_host_cdiv_and_next_power_of_2_are_tritons():
+    import triton
+    from bert_fast.ops._triton import cdiv, next_power_of_2
+    for n in range(0, 5000):
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 3, 16, 64, 128):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)

@@ -39,8 +39,8 @@ from ..extension import require_extension
 from ._autograd import (autocasting, below_autograd, forbid_double_backward, once_differentiable, records_grad,
                         thin_apply, use_registered_op)
 from ._philox import check_seed, dropout_keep, dropout_seed
-from ._triton import (as_dtype, as_rows, compute_dtype, cpu_kernel, KERNEL_DTYPES, launch, nothing_to_launch,
-                      reduction_programs, require_triton, tl, triton, uses_triton)
+from ._triton import (as_dtype, as_rows, cdiv, compute_dtype, cpu_kernel, KERNEL_DTYPES, launch, next_power_of_2,
+                      nothing_to_launch, reduction_programs, require_triton, tl, triton, uses_triton)
 
 # The whole row lives in registers (one tile row per normalised row).
 MAX_HIDDEN = 8192
@@ -163,7 +163,7 @@ def _layernorm_blocks(hidden):
     it takes ~80 registers and the forward ~50. So at H = 768 a program holds 2 rows on 8 warps,
     small H up to 16 rows, H >= 2048 one row on 8 to 32 warps.
     """
-    block_h = triton.next_power_of_2(hidden)
+    block_h = next_power_of_2(hidden)
     rows_per_program = max(1, min(16, 2048 // block_h))
     num_warps = max(4, min(32, block_h * rows_per_program // 256))
     return block_h, rows_per_program, num_warps
@@ -215,7 +215,7 @@ def _add_layernorm_fwd_triton(x, residual, weight, bias, eps, seed, dropout_p):
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if not nothing_to_launch(n_rows):
         block_h, rows_per_program, num_warps = _layernorm_blocks(hidden)
-        launch(_add_layernorm_fwd_kernel, out)[(triton.cdiv(n_rows, rows_per_program),)](
+        launch(_add_layernorm_fwd_kernel, out)[(cdiv(n_rows, rows_per_program),)](
             x2, residual2, weight, bias, out, mean, rstd,
             x2.stride(0), residual2.stride(0), n_rows, hidden, eps,
             dropout_p, _keep_scale(dropout_p), seed,
@@ -249,7 +249,7 @@ def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, d
     n_rows = x2.shape[0]
     has_dropout = dropout_p > 0.0
     block_h, rows_per_program, num_warps = _layernorm_blocks(hidden)
-    programs = reduction_programs(x.device, triton.cdiv(n_rows, rows_per_program))
+    programs = reduction_programs(x.device, cdiv(n_rows, rows_per_program))
     new = lambda shape, dtype=x.dtype: torch.empty(shape, dtype=dtype, device=x.device)
     d_residual = new((n_rows, hidden))
     d_x = new((n_rows, hidden)) if has_dropout else None

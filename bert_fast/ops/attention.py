@@ -54,8 +54,8 @@ from torch.nn import functional as F
 from ..reference import MASK_VALUE
 from ._autograd import forbid_double_backward, once_differentiable, records_grad, thin_apply, use_registered_op
 from ._philox import check_seed, dropout_keep, dropout_seed
-from ._triton import (as_dtype, compute_dtype, cpu_kernel, interpreting, launch, require_triton, tl, triton,
-                      uses_triton)
+from ._triton import (as_dtype, cdiv, compute_dtype, cpu_kernel, interpreting, launch, require_triton, tl,
+                      triton, uses_triton)
 from .padding import pad, unpad
 
 
@@ -620,7 +620,7 @@ def _launch_fwd(qkv, out, lse, counts, cu_seqlens, batch, num_heads, head_dim, m
     block_d, tiles, _, _, precision = _launch_config(qkv, head_dim, batch, num_heads)
     if max_seqlen == 0 or batch == 0:
         return
-    grid = (triton.cdiv(max_seqlen, tiles.block_m), batch * num_heads)
+    grid = (cdiv(max_seqlen, tiles.block_m), batch * num_heads)
     launch(_attention_fwd_kernel, out)[grid](
         qkv, out, lse, counts, cu_seqlens,
         *_strides(qkv), *_strides(out), *_strides(lse),
@@ -639,7 +639,7 @@ def _launch_bwd(grad_out, qkv, out, lse, dqkv, counts, cu_seqlens, batch, num_he
         return
     lse = lse.contiguous()    # delta takes its layout, and the kernels read both with lse's strides
     delta = torch.empty_like(lse, dtype=torch.float32)
-    launch(_attention_bwd_preprocess_kernel, delta)[(triton.cdiv(max_seqlen, dq_tiles.block_m), batch * num_heads)](
+    launch(_attention_bwd_preprocess_kernel, delta)[(cdiv(max_seqlen, dq_tiles.block_m), batch * num_heads)](
         out, grad_out, delta, cu_seqlens, *_strides(out), *_strides(grad_out), *_strides(delta),
         num_heads, head_dim, max_seqlen,
         IS_VARLEN=cu_seqlens is not None, BLOCK_M=dq_tiles.block_m, BLOCK_D=block_d,
@@ -652,7 +652,7 @@ def _launch_bwd(grad_out, qkv, out, lse, dqkv, counts, cu_seqlens, batch, num_he
                  HAS_DROPOUT=dropout_p > 0.0, DOT_PRECISION=precision, BLOCK_D=block_d)
     for kernel, tiles, blocks in ((_attention_bwd_dkdv_kernel, dkdv_tiles, dkdv_tiles.block_n),
                                   (_attention_bwd_dq_kernel, dq_tiles, dq_tiles.block_m)):
-        launch(kernel, dqkv)[(triton.cdiv(max_seqlen, blocks), batch * num_heads)](
+        launch(kernel, dqkv)[(cdiv(max_seqlen, blocks), batch * num_heads)](
             *args, **flags, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
@@ -720,7 +720,7 @@ def _attention_dropout_keep_triton(batch, num_heads, max_seqlen, dropout_p, seed
     keep = torch.empty(batch, num_heads, max_seqlen, max_seqlen, dtype=torch.int8, device=seed.device)
     require_triton(keep)
     block_m = block_n = 16 if interpreting() else 64
-    grid = (triton.cdiv(max_seqlen, block_m), triton.cdiv(max_seqlen, block_n), batch * num_heads)
+    grid = (cdiv(max_seqlen, block_m), cdiv(max_seqlen, block_n), batch * num_heads)
     launch(_attention_dropout_keep_kernel, keep)[grid](keep, max_seqlen, dropout_p, seed,
                                                  BLOCK_M=block_m, BLOCK_N=block_n)
     return keep.view(torch.bool)

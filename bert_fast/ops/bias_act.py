@@ -35,8 +35,8 @@ from torch.nn import functional as F
 
 from ._autograd import (autocasting, forbid_double_backward, once_differentiable, records_grad, thin_apply,
                         use_registered_op)
-from ._triton import (as_dtype, as_rows, compute_dtype, cpu_kernel, KERNEL_DTYPES, launch, nothing_to_launch,
-                      reduction_programs, require_triton, tl, triton, uses_triton)
+from ._triton import (as_dtype, as_rows, cdiv, compute_dtype, cpu_kernel, KERNEL_DTYPES, launch, next_power_of_2,
+                      nothing_to_launch, reduction_programs, require_triton, tl, triton, uses_triton)
 # Shared with add_layernorm: the dtypes the kernels take, the (rows, N) view the launchers
 # need, and the grid of a kernel that reduces over rows.
 
@@ -140,7 +140,7 @@ def _bias_act_blocks(n_cols):
     """(BLOCK_M, BLOCK_N, num_warps): tiles of ~2048 elements at 8 fp32 values per thread
     (ptxas, sm_90: GELU's backward takes ~60 registers there, 168 at 32 values per thread), at
     most 256 columns wide so that N = 3072 spreads over 12 column programs per row tile."""
-    block_n = min(256, triton.next_power_of_2(n_cols))
+    block_n = min(256, next_power_of_2(n_cols))
     block_m = max(1, min(64, 2048 // block_n))
     return block_m, block_n, max(4, min(8, block_m * block_n // 256))
 
@@ -177,7 +177,7 @@ def _bias_act_fwd_triton(h, bias, activation):
     out = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     if not nothing_to_launch(n_rows):
         block_m, block_n, num_warps = _bias_act_blocks(n_cols)
-        grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+        grid = (cdiv(n_rows, block_m), cdiv(n_cols, block_n))
         launch(_bias_act_fwd_kernel, out)[grid](
             h2, bias, out, n_rows, n_cols, h2.stride(0),
             ACTIVATION=activation, HAS_BIAS=bias is not None,
@@ -199,8 +199,8 @@ def _bias_act_bwd_triton(grad_out, saved, bias, activation):
     grad2, saved2 = as_rows(grad_out, n_cols), as_rows(saved, n_cols)
     n_rows = saved2.shape[0]
     block_m, block_n, num_warps = _bias_act_blocks(n_cols)
-    col_programs = triton.cdiv(n_cols, block_n)
-    row_programs = reduction_programs(saved.device, triton.cdiv(n_rows, block_m), col_programs)
+    col_programs = cdiv(n_cols, block_n)
+    row_programs = reduction_programs(saved.device, cdiv(n_rows, block_m), col_programs)
     d_h = torch.empty((n_rows, n_cols), dtype=saved.dtype, device=saved.device)
     # Every program stores its partial row (zeros if it had no rows): no zeroing needed.
     d_bias_partial = (torch.empty((row_programs, n_cols), dtype=torch.float32, device=saved.device)

@@ -60,8 +60,8 @@ from .. import extension
 from ..extension import require_extension
 from ._autograd import (below_autograd, forbid_double_backward, once_differentiable, records_grad, thin_apply,
                         use_registered_op)
-from ._triton import (KERNEL_DTYPES, as_dtype, compute_dtype, cpu_kernel, launch, nothing_to_launch,
-                      require_triton, tl, triton, uses_triton)
+from ._triton import (KERNEL_DTYPES, as_dtype, cdiv, compute_dtype, cpu_kernel, launch, next_power_of_2,
+                      nothing_to_launch, require_triton, tl, triton, uses_triton)
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -318,14 +318,14 @@ def _embedding_sum_bwd_carry_kernel(sorted_ids_ptr, run_ends_ptr, heads_ptr, tai
 
 def _fwd_blocks(hidden):
     """(BLOCK_T, BLOCK_H, num_warps): whole rows, ~4096 elements per tile (32 per thread)."""
-    block_h = triton.next_power_of_2(hidden)
+    block_h = next_power_of_2(hidden)
     return max(1, 4096 // block_h), block_h, 4 if block_h <= 4096 else 8
 
 
 def _bwd_blocks(hidden):
     """(BLOCK_T, BLOCK_H, num_warps) of the atomic and batch-sum kernels: H tiled by <= 256,
     4096 elements per tile."""
-    block_h = min(triton.next_power_of_2(hidden), 256)
+    block_h = min(next_power_of_2(hidden), 256)
     return 4096 // block_h, block_h, 4
 
 
@@ -335,7 +335,7 @@ def _chunk_blocks(hidden):
     The chunk kernel holds a (BLOCK_T, BLOCK_T, BLOCK_H) = 8192-element temporary (64 fp32 per
     thread at 4 warps). A function of H only: the summation order depends on it.
     """
-    return 16, min(triton.next_power_of_2(hidden), 32), 4
+    return 16, min(next_power_of_2(hidden), 32), 4
 
 
 # Heads summed per step of the carry pass.
@@ -415,7 +415,7 @@ def _embedding_sum_fwd_triton(tokens, segments, token_weight, segment_weight, po
     out = torch.empty((*tokens.shape, hidden), dtype=token_weight.dtype, device=token_weight.device)
     if not nothing_to_launch(n_rows):
         block_t, block_h, num_warps = _fwd_blocks(hidden)
-        launch(_embedding_sum_fwd_kernel, out)[(triton.cdiv(n_rows, block_t),)](
+        launch(_embedding_sum_fwd_kernel, out)[(cdiv(n_rows, block_t),)](
             out, _flat_ids(tokens), _flat_ids(segments),
             _flat_ids(positions) if positions is not None else None,
             token_weight, segment_weight, pos_weight, n_rows, tokens.shape[-1], hidden,
@@ -453,11 +453,11 @@ def _sorted_row_sum(grad_rows, ids, n_table_rows, out_dtype):
     ids = torch.where((ids >= 0) & (ids < n_table_rows), ids, n_table_rows)
     # Stable: equal ids keep their row order, so each run is summed in the same order every call.
     sorted_ids, order = torch.sort(ids, stable=True)
-    n_chunks = triton.cdiv(n_rows, block_t)
+    n_chunks = cdiv(n_rows, block_t)
     # Every head or tail that pass 2 reads was written by pass 1: no zeroing needed.
     heads = torch.empty((n_chunks, hidden), dtype=torch.float32, device=grad_rows.device)
     tails = torch.empty_like(heads)
-    h_blocks = triton.cdiv(hidden, block_h)
+    h_blocks = cdiv(hidden, block_h)
     launch(_embedding_sum_bwd_chunk_kernel, table_grad)[(n_chunks, h_blocks)](
         grad_rows, sorted_ids, order, table_grad, heads, tails, n_rows, hidden, n_table_rows,
         grad_rows.stride(0), grad_rows.stride(1), BLOCK_T=block_t, BLOCK_H=block_h,
@@ -492,7 +492,7 @@ def _embedding_sum_bwd_triton(grad_out, tokens, segments, positions, n_tokens, n
     position_ids = _flat_ids(positions) if positions is not None else None
     scatter_positions = learn_pos_embedding and positions is not None
     block_t, block_h, num_warps = _bwd_blocks(hidden)
-    h_blocks = triton.cdiv(hidden, block_h)
+    h_blocks = cdiv(hidden, block_h)
 
     if deterministic:
         token_grad = _sorted_row_sum(grad_rows, token_ids, n_tokens, dtype)
@@ -504,7 +504,7 @@ def _embedding_sum_bwd_triton(grad_out, tokens, segments, positions, n_tokens, n
         token_acc, segment_acc = fp32_zeros(n_tokens), fp32_zeros(n_segments)
         pos_acc = fp32_zeros(max_len) if scatter_positions else None
         if not nothing_to_launch(n_rows):
-            launch(_embedding_sum_bwd_kernel, grad_rows)[(triton.cdiv(n_rows, block_t), h_blocks)](
+            launch(_embedding_sum_bwd_kernel, grad_rows)[(cdiv(n_rows, block_t), h_blocks)](
                 grad_rows, token_ids, segment_ids, position_ids, token_acc, segment_acc, pos_acc,
                 n_rows, hidden, n_tokens, n_segments, max_len, grad_rows.stride(0), grad_rows.stride(1),
                 SCATTER_POSITIONS=scatter_positions, BLOCK_T=block_t, BLOCK_H=block_h,
@@ -520,7 +520,7 @@ def _embedding_sum_bwd_triton(grad_out, tokens, segments, positions, n_tokens, n
     batch, seq_len = tokens.shape
     pos_grad = torch.zeros((1, max_len, hidden), dtype=dtype, device=device)
     if not nothing_to_launch(n_rows):
-        launch(_embedding_sum_bwd_pos_kernel, pos_grad)[(triton.cdiv(seq_len, block_t), h_blocks)](
+        launch(_embedding_sum_bwd_pos_kernel, pos_grad)[(cdiv(seq_len, block_t), h_blocks)](
             grad_out, pos_grad, batch, seq_len, hidden,
             grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
             BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps)

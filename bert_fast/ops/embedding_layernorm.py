@@ -31,8 +31,8 @@ import torch
 from torch.nn import functional as F
 
 from ._autograd import once_differentiable, records_grad, thin_apply, use_registered_op
-from ._triton import (KERNEL_DTYPES, cpu_kernel, launch, nothing_to_launch, require_triton, tl, triton,
-                      uses_triton)
+from ._triton import (KERNEL_DTYPES, cdiv, cpu_kernel, launch, nothing_to_launch, require_triton, tl,
+                      triton, uses_triton)
 from .embedding import (_check_fwd_inputs, _check_id_ranges, _embedding_rows, _embedding_sum_bwd,
                         _embedding_sum_fwd, _flat_ids, _fwd_blocks, _guarded_lookup)
 
@@ -112,7 +112,7 @@ def _embedding_layernorm_fwd_triton(tokens, segments, token_weight, segment_weig
     rstd = torch.empty_like(mean)
     if not nothing_to_launch(n_rows):
         block_t, block_h, num_warps = _fwd_blocks(hidden)
-        launch(_embedding_layernorm_fwd_kernel, out)[(triton.cdiv(n_rows, block_t),)](
+        launch(_embedding_layernorm_fwd_kernel, out)[(cdiv(n_rows, block_t),)](
             out, mean, rstd, _flat_ids(tokens), _flat_ids(segments),
             _flat_ids(positions) if positions is not None else None,
             token_weight, segment_weight, pos_weight, weight, bias, n_rows, tokens.shape[-1], hidden,

@@ -27,7 +27,7 @@ CUDA (and on the CPU with dropout, their twin); on the CPU without dropout PyTor
 attention (``_scaled_dot_product_flash_attention_for_cpu`` and its backward: what SDPA runs).
 """
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch.nn import functional as F
