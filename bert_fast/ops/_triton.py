@@ -162,6 +162,10 @@ def nothing_to_launch(n):
     return type(n) is int and n == 0
 
 
+# SMs per CUDA device, asked once (get_device_properties costs ~2 us; backward launchers ask per call).
+_MULTIPROCESSORS = {}
+
+
 def reduction_programs(device, num_row_blocks, programs_beside=1):
     """How many programs stride over ``num_row_blocks`` in a kernel that also reduces over rows.
 
@@ -170,7 +174,10 @@ def reduction_programs(device, num_row_blocks, programs_beside=1):
     interpreter few programs, so that small tests exercise programs that loop over several tiles.
     """
     if device.type == "cuda":
-        limit = 4 * torch.cuda.get_device_properties(device).multi_processor_count // programs_beside
+        multiprocessors = _MULTIPROCESSORS.get(device)
+        if multiprocessors is None:
+            multiprocessors = _MULTIPROCESSORS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+        limit = 4 * multiprocessors // programs_beside
     else:
         limit = 4
     if type(num_row_blocks) is int:
