@@ -23,11 +23,12 @@ On CPU tensors the "triton" backend runs its ops' CPU kernels (plain PyTorch: SD
 native_layer_norm, addmm with the ReLU epilogue); the "cuda" backend runs the extension's C++
 ops. The row "fast[triton] GPU path" (CPU only, where Triton is installed) runs what a CUDA
 tensor runs instead: the triton backend's launchers, tile choices and Functions, on CPU
-tensors, up to Triton's own launcher, which is replaced by a counter (gpu_launch_path: the
-kernels are counted, never run, so its outputs are not computed). Its "launches / layer" are
-those counted Triton launches. Triton's launcher itself (argument binding, the kernel cache,
-the driver call) and the GEMMs' cuBLAS calls show only on a GPU: on a GPU run this benchmark
-again, which counts every launch with the profiler.
+tensors, and Triton's own launcher (argument binding, specialisation, the kernel cache) on
+kernels compiled for sm_90 at the first call; only the driver's launch is replaced by a
+counter (gpu_launch_path: the kernels are counted, never run, so its outputs are not
+computed). Under TRITON_INTERPRET=1 Triton's launcher is the counter instead. Its "launches /
+layer" are those counted Triton launches. The driver's launch and the GEMMs' cuBLAS calls show
+only on a GPU: on a GPU run this benchmark again, which counts every launch with the profiler.
 
 Each run prints its tables and writes a record to --json PATH, by default
 benchmarks/results/<device>-<date>T<time>-host.json under the working directory (--no-record:
@@ -37,6 +38,7 @@ none), and prints where.
 import argparse
 import contextlib
 import datetime
+import functools
 import statistics
 import sys
 import time
@@ -81,10 +83,11 @@ def build_models(config, backends, device, check_inputs=True, seed=0, gpu_path=F
 
 
 class _LaunchCounter:
-    """Stands in for Triton's ``JITFunction.run`` (and the interpreter's): counts, launches nothing."""
+    """Counts the Triton launches of gpu_launch_path; launches nothing."""
     launches = 0
 
-    def run(self, *args, grid, warmup=False, **kwargs):
+    @staticmethod
+    def run(*args, **kwargs):
         _LaunchCounter.launches += 1
 
 
@@ -93,29 +96,56 @@ def gpu_path_available(device):
     return device.type == "cpu" and _triton.HAS_TRITON
 
 
+# The GPU the GPU_PATH row compiles its kernels for (H100), when Triton's launcher is included.
+GPU_PATH_ARCH = 90
+
+
 @contextlib.contextmanager
-def gpu_launch_path():
+def gpu_launch_path(arch=None):
     """Within: CPU tensors take the triton backend's GPU eager path (the launchers, their
     Functions, tile choices and launch arguments, as for CUDA tensors), and every Triton kernel
     launch is counted in ``_LaunchCounter.launches`` instead of run. The kernels' outputs are
-    left unwritten: for measuring host work, never for values."""
+    left unwritten: for measuring host work, never for values.
+
+    ``arch`` (e.g. 90): Triton's own launcher runs too (``JITFunction.run``: argument binding,
+    specialisation, the kernel cache), on kernels compiled for ``sm_<arch>`` at their first call
+    (a driver that names that target, as bert_fast.kernel_resources does); only the driver's
+    launch itself (``CompiledKernel``'s C launcher) is the counter. Needs a process without
+    TRITON_INTERPRET=1. None: ``JITFunction.run`` (or the interpreter's) is the counter.
+    """
     from triton.runtime.jit import JITFunction
-    classes = [JITFunction]
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-        classes.append(InterpretedFunction)
-    except ImportError:       # pragma: no cover - a Triton without an interpreter
-        pass
-    saved = [vars(cls)["run"] for cls in classes]
-    for cls in classes:
-        cls.run = _LaunchCounter.run
+    undo = []
+    if arch is None:
+        classes = [JITFunction]
+        try:
+            from triton.runtime.interpreter import InterpretedFunction
+            classes.append(InterpretedFunction)
+        except ImportError:       # pragma: no cover - a Triton without an interpreter
+            pass
+        for cls in classes:
+            undo.append(functools.partial(setattr, cls, "run", vars(cls)["run"]))
+            cls.run = _LaunchCounter.run
+    else:
+        if _triton.interpreting():
+            raise RuntimeError("gpu_launch_path(arch) compiles the kernels: run it without TRITON_INTERPRET=1")
+        from triton.compiler.compiler import CompiledKernel
+        from triton.runtime import driver
+        from .kernel_resources import TargetDriver
+
+        def init_handles(kernel):       # what loads the module onto a device: the counter instead
+            if kernel._run is None:
+                kernel._run = _LaunchCounter.run
+        undo.append(functools.partial(setattr, CompiledKernel, "_init_handles", vars(CompiledKernel)["_init_handles"]))
+        CompiledKernel._init_handles = init_handles
+        undo.append(functools.partial(driver.set_active, getattr(driver, "_active", None)))
+        driver.set_active(TargetDriver(arch))
     _triton._KERNELS_ON_CPU[0] = True
     try:
         yield
     finally:
         _triton._KERNELS_ON_CPU[0] = False
-        for cls, run in zip(classes, saved):
-            cls.run = run
+        for step in reversed(undo):
+            step()
 
 
 class _OpCounter(TorchDispatchMode):
@@ -143,9 +173,15 @@ def _prepare(models, mode):
         model.zero_grad(set_to_none=True)
 
 
+def gpu_path_arch():
+    """The arch the GPU_PATH row compiles for (Triton's launcher included), or None under
+    Triton's interpreter, whose kernels cannot be compiled (JITFunction.run is the counter)."""
+    return None if _triton.interpreting() else GPU_PATH_ARCH
+
+
 def _context(name):
     """What a row's calls run in: gpu_launch_path for GPU_PATH, else nothing."""
-    return gpu_launch_path() if name == GPU_PATH else contextlib.nullcontext()
+    return gpu_launch_path(gpu_path_arch()) if name == GPU_PATH else contextlib.nullcontext()
 
 
 def count_ops(model, mode, inputs):
@@ -276,8 +312,9 @@ TIMING = ("host microseconds per call, median over interleaved rounds (rotating 
           "None before it, untimed; synchronize after it), the round's median. ATen ops: operator "
           "calls that reach a kernel (TorchDispatchMode), per layer = per call / layers; launches: "
           "CUDA kernels, memcpys and memsets of one call (torch.profiler), per layer likewise; in the "
-          f"row {GPU_PATH!r} (CPU tensors through the GPU's eager path), the Triton launches counted in "
-          "place of running them (its GEMMs and other ATen calls are in the ATen ops)")
+          f"row {GPU_PATH!r} (CPU tensors through the GPU's eager path, Triton's launcher included on "
+          "kernels compiled for sm_90, except under TRITON_INTERPRET=1), the Triton launches counted in "
+          "place of the driver's (its GEMMs and other ATen calls are in the ATen ops)")
 
 
 def build_parser():

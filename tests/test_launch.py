@@ -7,8 +7,8 @@ launcher called from the eager thin path would send every launch through the
 machine's CPU against ~2 us, and one entry more in torch's global
 ``kernel_side_table.constant_args`` each time, never removed. The suite's kernels run in Triton's
 interpreter, whose kernels wrap_triton leaves alone, so the GPU's case is checked in a child
-process without TRITON_INTERPRET, with Triton's launches counted instead of run
-(host_bench.gpu_launch_path).
+process without TRITON_INTERPRET, through Triton's own launcher on kernels compiled for
+sm_90, with the driver's launches counted instead of made (host_bench.gpu_launch_path).
 """
 
 import json
@@ -79,7 +79,7 @@ _CHILD = textwrap.dedent("""
     tokens, segments = random_inputs(2, 11, 50)
     valid_lens = torch.tensor([4.0, 11.0])
     counts = {}
-    with host_bench.gpu_launch_path():
+    with host_bench.gpu_launch_path(host_bench.GPU_PATH_ARCH):     # Triton's own launcher runs too
         for mode in ("inference", "training"):
             encoder.train(mode == "training")
             entries, launches = len(kernel_side_table.constant_args), host_bench._LaunchCounter.launches
