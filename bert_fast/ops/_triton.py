@@ -104,7 +104,8 @@ def launch(kernel, like):
     Under TRITON_INTERPRET=1 ``@triton.jit`` makes an InterpretedFunction, which launches as it
     is and which wrap_triton of torch < 2.13 rejects (2.13 returns it unchanged): returned as is.
     """
-    if type(like) is torch.Tensor and not torch.compiler.is_compiling() and torch._C._get_dispatch_mode(_PROXY_MODE) is None:
+    traced = torch.compiler.is_compiling() or torch._C._get_dispatch_mode(_PROXY_MODE) is not None
+    if type(like) is torch.Tensor and not traced:
         return kernel
     if HAS_TRITON and _interpreted(kernel):
         return kernel

@@ -254,8 +254,8 @@ def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, d
     d_residual = new((n_rows, hidden))
     d_x = new((n_rows, hidden)) if has_dropout else None
     # d_weight's and d_bias's fp32 partial rows in one buffer: one reduction (and one cast) gives
-    # both, two ATen launches fewer per call than one each. Programs without rows still store
-    # their (zero) partial row, so the buffer needs no zeroing.
+    # both, one GPU launch fewer per call in fp32 than a reduction each, two in half precision.
+    # Programs without rows still store their (zero) partial row: the buffer needs no zeroing.
     has_weight = weight is not None
     partials = new((has_weight + has_bias, programs, hidden), torch.float32) if has_weight or has_bias else None
     d_weight_partial, d_bias_partial = _weight_and_bias(partials, has_weight, has_bias)
@@ -270,7 +270,8 @@ def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, d
             BLOCK_H=block_h, ROWS_PER_PROGRAM=rows_per_program, num_warps=num_warps)
     d_weight, d_bias = None, None
     if partials is not None:
-        sums = torch.zeros(partials.shape[::2], dtype=x.dtype, device=x.device) if empty else partials.sum(1).to(x.dtype)
+        sums = (torch.zeros((partials.shape[0], hidden), dtype=x.dtype, device=x.device) if empty
+                else partials.sum(1).to(x.dtype))
         d_weight, d_bias = _weight_and_bias(sums, has_weight, has_bias)
     return (d_residual.view(x.shape),
             d_x.view(x.shape) if has_dropout else new((0,)),
