@@ -253,12 +253,9 @@ def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, d
     new = lambda shape, dtype=x.dtype: torch.empty(shape, dtype=dtype, device=x.device)
     d_residual = new((n_rows, hidden))
     d_x = new((n_rows, hidden)) if has_dropout else None
-    # d_weight's and d_bias's fp32 partial rows in one buffer: one reduction (and one cast) gives
-    # both, one GPU launch fewer per call in fp32 than a reduction each, two in half precision.
-    # Programs without rows still store their (zero) partial row: the buffer needs no zeroing.
-    has_weight = weight is not None
-    partials = new((has_weight + has_bias, programs, hidden), torch.float32) if has_weight or has_bias else None
-    d_weight_partial, d_bias_partial = _weight_and_bias(partials, has_weight, has_bias)
+    # Programs without rows still store their (zero) partial row, so the buffers need no zeroing.
+    d_weight_partial = new((programs, hidden), torch.float32) if weight is not None else None
+    d_bias_partial = new((programs, hidden), torch.float32) if has_bias else None
     empty = nothing_to_launch(n_rows)
     if not empty:
         launch(_add_layernorm_bwd_kernel, d_residual)[(programs,)](
@@ -268,23 +265,12 @@ def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, d
             dropout_p, _keep_scale(dropout_p), seed,
             HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, HAS_DROPOUT=has_dropout,
             BLOCK_H=block_h, ROWS_PER_PROGRAM=rows_per_program, num_warps=num_warps)
-    d_weight, d_bias = None, None
-    if partials is not None:
-        sums = (torch.zeros((partials.shape[0], hidden), dtype=x.dtype, device=x.device) if empty
-                else partials.sum(1).to(x.dtype))
-        d_weight, d_bias = _weight_and_bias(sums, has_weight, has_bias)
+    reduce_rows = lambda partial: (torch.zeros(hidden, dtype=x.dtype, device=x.device) if empty
+                                   else partial.sum(0).to(x.dtype))
     return (d_residual.view(x.shape),
             d_x.view(x.shape) if has_dropout else new((0,)),
-            d_weight if has_weight else new((0,)),
-            d_bias if has_bias else new((0,)))
-
-
-def _weight_and_bias(stacked, has_weight, has_bias):
-    """(weight's, bias's) rows of ``stacked``, which holds the weight's (if any) then the bias's
-    (if any); None for each that is absent. One unbind: a single dispatcher call."""
-    if not (has_weight and has_bias):
-        return (stacked[0] if has_weight else None), (stacked[0] if has_bias else None)
-    return stacked.unbind(0)
+            reduce_rows(d_weight_partial) if weight is not None else new((0,)),
+            reduce_rows(d_bias_partial) if has_bias else new((0,)))
 
 
 def _dropout_keep_scale_cpu(x, seed, dropout_p, dtype):
