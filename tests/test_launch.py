@@ -67,7 +67,7 @@ def test_traced_launch_goes_into_the_graph():
 
 
 _CHILD = textwrap.dedent("""
-    import json, sys, torch
+    import json, torch
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
     from triton.runtime.jit import JITFunction
     from bert_fast import FastBERTEncoder, host_bench
