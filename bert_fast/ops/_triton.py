@@ -97,9 +97,9 @@ def launch(kernel, like):
     mode): torch.library.wrap_triton(kernel), which puts the launch in the graph. wrap_triton
     outside a triton_op's eager dispatch (which switches it off) is not free: every launch goes
     through its higher-order op, ~120 us of host time on the CI machine's CPU against ~2 for
-    the plain launch (tests/test_launch.py), and adds an entry to torch's global
+    the plain launch (measured with Triton's run stubbed), and adds an entry to torch's global
     ``kernel_side_table.constant_args`` that is never removed (memory that grows with every
-    launch of the eager path, which runs outside the registered ops).
+    launch of the eager path, which runs outside the registered ops; tests/test_launch.py).
 
     Under TRITON_INTERPRET=1 ``@triton.jit`` makes an InterpretedFunction, which launches as it
     is and which wrap_triton of torch < 2.13 rejects (2.13 returns it unchanged): returned as is.
