@@ -38,7 +38,6 @@ none), and prints where.
 import argparse
 import contextlib
 import datetime
-import functools
 import statistics
 import sys
 import time
@@ -114,38 +113,29 @@ def gpu_launch_path(arch=None):
     TRITON_INTERPRET=1. None: ``JITFunction.run`` (or the interpreter's) is the counter.
     """
     from triton.runtime.jit import JITFunction
-    undo = []
-    if arch is None:
-        classes = [JITFunction]
-        try:
-            from triton.runtime.interpreter import InterpretedFunction
-            classes.append(InterpretedFunction)
-        except ImportError:       # pragma: no cover - a Triton without an interpreter
-            pass
-        for cls in classes:
-            undo.append(functools.partial(setattr, cls, "run", vars(cls)["run"]))
-            cls.run = _LaunchCounter.run
-    else:
-        if _triton.interpreting():
-            raise RuntimeError("gpu_launch_path(arch) compiles the kernels: run it without TRITON_INTERPRET=1")
-        from triton.compiler.compiler import CompiledKernel
-        from triton.runtime import driver
-        from .kernel_resources import TargetDriver
+    with contextlib.ExitStack() as stack:
+        if arch is None:
+            classes = [JITFunction]
+            try:
+                from triton.runtime.interpreter import InterpretedFunction
+                classes.append(InterpretedFunction)
+            except ImportError:       # pragma: no cover - a Triton without an interpreter
+                pass
+            for cls in classes:
+                stack.callback(setattr, cls, "run", vars(cls)["run"])
+                cls.run = _LaunchCounter.run
+            stack.enter_context(_triton.launchers_take_cpu_tensors())
+        else:
+            from triton.compiler.compiler import CompiledKernel
+            from .kernel_resources import targeting
 
-        def init_handles(kernel):       # what loads the module onto a device: the counter instead
-            if kernel._run is None:
-                kernel._run = _LaunchCounter.run
-        undo.append(functools.partial(setattr, CompiledKernel, "_init_handles", vars(CompiledKernel)["_init_handles"]))
-        CompiledKernel._init_handles = init_handles
-        undo.append(functools.partial(driver.set_active, getattr(driver, "_active", None)))
-        driver.set_active(TargetDriver(arch))
-    _triton._KERNELS_ON_CPU[0] = True
-    try:
+            def init_handles(kernel):       # what loads the module onto a device: the counter instead
+                if kernel._run is None:
+                    kernel._run = _LaunchCounter.run
+            stack.enter_context(targeting(arch))
+            stack.callback(setattr, CompiledKernel, "_init_handles", vars(CompiledKernel)["_init_handles"])
+            CompiledKernel._init_handles = init_handles
         yield
-    finally:
-        _triton._KERNELS_ON_CPU[0] = False
-        for step in reversed(undo):
-            step()
 
 
 class _OpCounter(TorchDispatchMode):

@@ -158,28 +158,37 @@ def defined_kernels():
 
 
 @contextlib.contextmanager
+def targeting(arch):
+    """Within: Triton's active driver is TargetDriver(arch), so a kernel compiles for
+    ``sm_<arch>`` on a machine without a GPU, and the ops' launchers take CPU tensors."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise RuntimeError("compiling real kernels for a GPU target: run without TRITON_INTERPRET=1")
+    from triton.runtime import driver
+    from .ops import _triton
+    previous_driver = getattr(driver, "_active", None)     # None where no GPU driver loaded
+    driver.set_active(TargetDriver(arch))
+    try:
+        with _triton.launchers_take_cpu_tensors():
+            yield
+    finally:
+        driver.set_active(previous_driver)
+
+
+@contextlib.contextmanager
 def compiling_for(arch):
     """Within: the ops' Triton launchers take CPU tensors, and compile their kernels for
     ``sm_<arch>`` instead of launching them. Yields the list of KernelRecords it fills."""
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        raise RuntimeError("kernel_resources compiles real kernels: run it without TRITON_INTERPRET=1")
-    from triton.runtime import driver
     from .ops import _triton
     op_modules = _op_modules()
-    with tempfile.TemporaryDirectory() as workdir:
+    with targeting(arch), tempfile.TemporaryDirectory() as workdir:
         session = _Session(arch, workdir)
-        previous_driver = getattr(driver, "_active", None)     # None where no GPU driver loaded
-        driver.set_active(TargetDriver(arch))
-        _triton._KERNELS_ON_CPU[0] = True
         try:
             for module in op_modules:
                 module.launch = functools.partial(_AheadOfTimeLaunch, session=session)
             yield session.records
         finally:
-            _triton._KERNELS_ON_CPU[0] = False
             for module in op_modules:
                 module.launch = _triton.launch
-            driver.set_active(previous_driver)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -56,8 +56,9 @@ def require_triton(*tensors):
 
 # Send CPU tensors to the Triton launchers instead of the CPU kernels: for tests under
 # TRITON_INTERPRET=1, so the eager path a GPU takes (launchers, their Functions, the visible-key
-# counts) runs in the interpreter (kernels_on_cpu()), and for bert_fast.kernel_resources, which
-# compiles the kernels those launchers ask for, for a GPU target.
+# counts) runs in the interpreter (kernels_on_cpu()), for bert_fast.kernel_resources, which
+# compiles the kernels those launchers ask for, for a GPU target, and for the host benchmark's
+# GPU-path row (launchers_take_cpu_tensors()).
 _KERNELS_ON_CPU = [False]
 
 
@@ -67,15 +68,24 @@ def cpu_kernel(t):
 
 
 @contextlib.contextmanager
-def kernels_on_cpu():
-    """Within: CPU tensors take the Triton launchers (interpreter only), as CUDA tensors do."""
-    if not (HAS_TRITON and interpreting()):
-        raise RuntimeError("kernels_on_cpu() needs triton and TRITON_INTERPRET=1")
+def launchers_take_cpu_tensors():
+    """Within: CPU tensors take the Triton launchers, as CUDA tensors do. What launches (or
+    compiles, or counts) the kernels is the caller's business; kernels_on_cpu() is the
+    interpreter's case."""
     _KERNELS_ON_CPU[0] = True
     try:
         yield
     finally:
         _KERNELS_ON_CPU[0] = False
+
+
+@contextlib.contextmanager
+def kernels_on_cpu():
+    """Within: CPU tensors take the Triton launchers (interpreter only), as CUDA tensors do."""
+    if not (HAS_TRITON and interpreting()):
+        raise RuntimeError("kernels_on_cpu() needs triton and TRITON_INTERPRET=1")
+    with launchers_take_cpu_tensors():
+        yield
 
 
 def uses_triton(backend):
