@@ -110,20 +110,21 @@ def gpu_launch_path(arch=None):
     specialisation, the kernel cache), on kernels compiled for ``sm_<arch>`` at their first call
     (a driver that names that target, as bert_fast.kernel_resources does); only the driver's
     launch itself (``CompiledKernel``'s C launcher) is the counter. Needs a process without
-    TRITON_INTERPRET=1. None: ``JITFunction.run`` (or the interpreter's) is the counter.
+    TRITON_INTERPRET=1. None: Triton's launcher (``JITFunction.run``, or the interpreter's, and
+    the eager launchers' cache in front of it, bert_fast.ops._triton._EagerLauncher) is the counter.
     """
     from triton.runtime.jit import JITFunction
     with contextlib.ExitStack() as stack:
         if arch is None:
-            classes = [JITFunction]
+            launchers = [(JITFunction, "run"), (_triton._EagerLauncher, "launch")]
             try:
                 from triton.runtime.interpreter import InterpretedFunction
-                classes.append(InterpretedFunction)
+                launchers.append((InterpretedFunction, "run"))
             except ImportError:       # pragma: no cover - a Triton without an interpreter
                 pass
-            for cls in classes:
-                stack.callback(setattr, cls, "run", vars(cls)["run"])
-                cls.run = _LaunchCounter.run
+            for cls, name in launchers:
+                stack.callback(setattr, cls, name, vars(cls)[name])
+                setattr(cls, name, _LaunchCounter.run)
             stack.enter_context(_triton.launchers_take_cpu_tensors())
         else:
             from triton.compiler.compiler import CompiledKernel

@@ -41,11 +41,19 @@ def _wrapped(launchable):
     return isinstance(launchable, TraceableTritonKernelWrapper)
 
 
-def test_eager_launch_is_the_kernel_itself():
+def test_eager_launch_is_tritons_launch_without_the_higher_order_op():
+    from bert_fast.ops._triton import _EagerLauncher
     kernel = _jit_kernel()
-    assert launch(kernel, torch.zeros(4)) is kernel
+    launcher = launch(kernel, torch.zeros(4))
+    assert isinstance(launcher, _EagerLauncher) and launcher.kernel is kernel
     with torch.inference_mode():
-        assert launch(kernel, torch.zeros(4)) is kernel
+        assert launch(kernel, torch.zeros(4)) is launcher      # one per kernel
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return
+    interpreted = InterpretedFunction(kernel.fn)
+    assert launch(interpreted, torch.zeros(4)) is interpreted
 
 
 def test_traced_launch_goes_into_the_graph():
@@ -108,6 +116,107 @@ def test_gpu_eager_path_launches_without_the_higher_order_op():
     for mode, seen in counts.items():
         assert seen["side_table_entries"] == 0, (
             f"{mode}: {seen['side_table_entries']} launches went through wrap_triton's higher-order op")
+
+
+# Every eager launch of the GPU path is checked against Triton's own launcher: the launch that
+# _EagerLauncher makes (from its cache, or through Triton on a kind of call's first launch) and
+# then Triton's launcher on the same arguments must reach the driver with the same CompiledKernel,
+# grid and arguments. The driver's launches are recorded, never made (host_bench.gpu_launch_path).
+_CACHE_CHILD = textwrap.dedent("""
+    import functools, json, torch
+    import triton, triton.language as tl
+    from triton.compiler.compiler import CompiledKernel
+    from bert_fast import FastBERTEncoder, host_bench
+    from bert_fast.ops import _triton
+    from tests.helpers import encoder_config, random_inputs
+
+    records = []
+    def record(kernel, *launch):       # what the C launcher gets: grid, stream, ..., the arguments
+        records.append((kernel, launch[:3], launch[9:]))
+
+    def init_handles(kernel):
+        if kernel._run is None:
+            kernel._run = functools.partial(record, kernel)
+
+    def same(ours, theirs):
+        (k1, g1, a1), (k2, g2, a2) = ours, theirs
+        return (k1 is k2 and g1 == g2 and len(a1) == len(a2)
+                and all(x is y or (type(x) is type(y) and not isinstance(x, torch.Tensor) and x == y)
+                        for x, y in zip(a1, a2)))
+
+    tally = dict(launches=0, first=0)
+    eager_launch, first_launch = _triton._EagerLauncher.launch, _triton._EagerLauncher.first_launch
+
+    def checked(self, grid, *args, **kwargs):
+        start = len(records)
+        eager_launch(self, grid, *args, **kwargs)
+        self.kernel[grid](*args, **kwargs)
+        assert len(records) == start + 2, records[start:]
+        assert same(records[start], records[start + 1]), (self.kernel.fn.__name__, records[start:], kwargs)
+        tally["launches"] += 1
+
+    def counted_first(self, *args):
+        tally["first"] += 1
+        return first_launch(self, *args)
+
+    @triton.jit
+    def probe(x, y, n, scale, flag, BLOCK: tl.constexpr, HAS_Y: tl.constexpr = False):
+        i = tl.arange(0, BLOCK)
+        v = tl.load(x + i, mask=i < n) * scale
+        if HAS_Y:
+            v += tl.load(y + i, mask=i < n)
+        tl.store(x + i, v + flag, mask=i < n)
+
+    def probe_calls():
+        buf, half = torch.zeros(80), torch.zeros(80, dtype=torch.float16)
+        base = dict(x=buf, y=None, n=16, scale=1.0, flag=True, BLOCK=16)
+        variants = [{}, dict(x=buf[1:]), dict(x=buf[4:], y=buf, HAS_Y=True), dict(x=half, y=half[1:], HAS_Y=True),
+                    dict(x=half[8:], y=half, HAS_Y=True), dict(n=1), dict(n=17), dict(n=2**31 + 16),
+                    dict(scale=1), dict(scale=0.5), dict(flag=1), dict(flag=0), dict(flag=False),
+                    dict(BLOCK=32), dict(BLOCK=32, num_warps=2), dict(x=buf[4:], y=buf, HAS_Y=1),
+                    dict(n=1, scale=1, flag=1)]
+        for order in (variants, variants[::-1]):
+            for variant in order:
+                call = dict(base, **variant)
+                args = [call.pop(name) for name in ("x", "y", "n", "scale", "flag")]
+                for _ in range(2):
+                    _triton.launch(probe, args[0])[(1,)](*args, **call)
+
+    with host_bench.gpu_launch_path(host_bench.GPU_PATH_ARCH):
+        CompiledKernel._init_handles = init_handles        # gpu_launch_path puts Triton's back
+        _triton._EagerLauncher.launch, _triton._EagerLauncher.first_launch = checked, counted_first
+        probe_calls()
+        _triton.eager_launcher(probe).MAX_KEYS = 3           # again, the cache starting afresh now and then
+        probe_calls()
+        for seqlen, valid_lens in ((11, torch.tensor([4.0, 11.0])), (11, None), (16, torch.tensor([3, 16])),
+                                   (16, torch.tensor([[2.0] * 16, [16.0] * 16]))):
+            encoder = FastBERTEncoder(**encoder_config(num_heads=2, head_dim=16, num_layers=2, ffn=48,
+                                                       vocab_size=50, max_len=16), backend="triton")
+            tokens, segments = random_inputs(2, seqlen, 50)
+            for _ in range(2):
+                with torch.inference_mode():
+                    encoder.eval()(tokens, segments, valid_lens)
+                encoder.train()(tokens, segments, valid_lens).sum().backward()
+    print(json.dumps(tally))
+""")
+
+
+def test_eager_launches_are_the_ones_tritons_launcher_makes(tmp_path):
+    """_EagerLauncher's cache picks the CompiledKernel Triton's launcher picks, and passes the same
+    grid and arguments, for every launch of the encoder's GPU path (inference and training, 1-D,
+    2-D and no valid_lens, two lengths) and of a probe kernel whose calls vary what Triton
+    specialises on: alignment, dtype, ints 1 / multiples of 16 / beyond int32, int against float
+    against bool, None against a tensor, constexprs and launch options."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    script = tmp_path / "check_launches.py"      # a file: @triton.jit reads the kernel's source
+    script.write_text(_CACHE_CHILD)
+    child = subprocess.run([sys.executable, str(script)], env=env, cwd=root, capture_output=True, text=True,
+                           timeout=600)
+    assert child.returncode == 0, child.stderr[-3000:]
+    tally = json.loads(child.stdout.strip().splitlines()[-1])
+    assert tally["first"] < tally["launches"] / 2, tally       # most launches came from the cache
 
 
 def test_host_benchmark_times_the_gpu_path(capsys):
