@@ -188,6 +188,8 @@ _CACHE_CHILD = textwrap.dedent("""
         probe_calls()
         _triton.eager_launcher(probe).MAX_KEYS = 3           # again, the cache starting afresh now and then
         probe_calls()
+        _triton.eager_launcher(probe).direct = False         # the CompiledKernel's own launcher (newer Tritons)
+        probe_calls()
         for seqlen, valid_lens in ((11, torch.tensor([4.0, 11.0])), (11, None), (16, torch.tensor([3, 16])),
                                    (16, torch.tensor([[2.0] * 16, [16.0] * 16]))):
             encoder = FastBERTEncoder(**encoder_config(num_heads=2, head_dim=16, num_layers=2, ffn=48,
