@@ -23,10 +23,11 @@ On CPU tensors the "triton" backend runs its ops' CPU kernels (plain PyTorch: SD
 native_layer_norm, addmm with the ReLU epilogue); the "cuda" backend runs the extension's C++
 ops. The row "fast[triton] GPU path" (CPU only, where Triton is installed) runs what a CUDA
 tensor runs instead: the triton backend's launchers, tile choices and Functions, on CPU
-tensors, and Triton's own launcher (argument binding, specialisation, the kernel cache) on
-kernels compiled for sm_90 at the first call; only the driver's launch is replaced by a
-counter (gpu_launch_path: the kernels are counted, never run, so its outputs are not
-computed). Under TRITON_INTERPRET=1 Triton's launcher is the counter instead. Its "launches /
+tensors, and the launch itself (the eager launchers' kept CompiledKernels, and Triton's own
+launcher, with its argument binding, specialisation and kernel cache, for each kind of call's
+first launch) on kernels compiled for sm_90 at the first call; only the driver's launch is
+replaced by a counter (gpu_launch_path: the kernels are counted, never run, so its outputs are not
+computed). Under TRITON_INTERPRET=1 the launch is the counter instead. Its "launches /
 layer" are those counted Triton launches. The driver's launch and the GEMMs' cuBLAS calls show
 only on a GPU: on a GPU run this benchmark again, which counts every launch with the profiler.
 
@@ -106,10 +107,11 @@ def gpu_launch_path(arch=None):
     launch is counted in ``_LaunchCounter.launches`` instead of run. The kernels' outputs are
     left unwritten: for measuring host work, never for values.
 
-    ``arch`` (e.g. 90): Triton's own launcher runs too (``JITFunction.run``: argument binding,
-    specialisation, the kernel cache), on kernels compiled for ``sm_<arch>`` at their first call
-    (a driver that names that target, as bert_fast.kernel_resources does); only the driver's
-    launch itself (``CompiledKernel``'s C launcher) is the counter. Needs a process without
+    ``arch`` (e.g. 90): the launch runs too (bert_fast.ops._triton._EagerLauncher and, for each
+    kind of call's first launch, Triton's ``JITFunction.run``: argument binding, specialisation,
+    the kernel cache), on kernels compiled for ``sm_<arch>`` at their first call (a driver that
+    names that target, as bert_fast.kernel_resources does); only the driver's launch itself
+    (``CompiledKernel``'s C launcher) is the counter. Needs a process without
     TRITON_INTERPRET=1. None: Triton's launcher (``JITFunction.run``, or the interpreter's, and
     the eager launchers' cache in front of it, bert_fast.ops._triton._EagerLauncher) is the counter.
     """
