@@ -240,3 +240,40 @@ def test_host_cdiv_and_next_power_of_2_are_tritons():
         assert next_power_of_2(n) == triton.next_power_of_2(n), n
         for d in (1, 3, 16, 64, 128):
             assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_kept_kernel_launches_match_tritons_launcher(dtype, monkeypatch):
+    """On a GPU: the encoder's outputs and gradients with every launch through Triton's launcher
+    and with the eager launchers' kept kernels (streams, function handles, arguments) are the
+    same, inference and training, 1-D and 2-D valid_lens; the backward within atomics' reordering
+    (embedding gradients), the rest exact."""
+    from bert_fast import FastBERTEncoder
+    from bert_fast.ops import _triton
+    from tests.helpers import encoder_config, random_inputs
+    torch.manual_seed(0)
+    encoder = FastBERTEncoder(**encoder_config(num_heads=4, head_dim=32, num_layers=2, vocab_size=100),
+                              backend="triton").to("cuda", dtype)
+    tokens, segments = (t.cuda() for t in random_inputs(3, 37, 100))
+
+    def run(valid_lens):
+        with torch.inference_mode():
+            inference = encoder.eval()(tokens, segments, valid_lens)
+        encoder.zero_grad(set_to_none=True)
+        out = encoder.train()(tokens, segments, valid_lens)
+        out.float().square().sum().backward()
+        return [inference, out.detach()] + [p.grad for p in encoder.parameters()]
+
+    for valid_lens in (torch.tensor([5.0, 37.0, 20.0], device="cuda"),
+                       torch.randint(1, 38, (3, 37), device="cuda")):
+        kept = [run(valid_lens) for _ in range(2)][-1]          # the second call: kept kernels
+        with monkeypatch.context() as patch:
+            patch.setattr(_triton, "eager_launcher", lambda kernel: kernel)     # Triton's launcher
+            tritons = run(valid_lens)
+        for index, (a, b) in enumerate(zip(kept, tritons)):
+            assert a.shape == b.shape, index
+            if index < 2:
+                assert torch.equal(a, b), f"output {index} differs"
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
