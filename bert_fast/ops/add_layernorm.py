@@ -39,8 +39,8 @@ from ..extension import require_extension
 from ._autograd import (autocasting, below_autograd, forbid_double_backward, once_differentiable, records_grad,
                         thin_apply, use_registered_op)
 from ._philox import check_seed, dropout_keep, dropout_seed
-from ._triton import (as_dtype, as_rows, cdiv, compute_dtype, cpu_kernel, KERNEL_DTYPES, launch, next_power_of_2,
-                      nothing_to_launch, reduction_programs, require_triton, tl, triton, uses_triton)
+from ._triton import (as_dtype, cdiv, compute_dtype, cpu_kernel, KERNEL_DTYPES, launch, next_power_of_2,
+                      nothing_to_launch, reduction_programs, require_triton, rows, tl, triton, uses_triton)
 
 # The whole row lives in registers (one tile row per normalised row).
 MAX_HIDDEN = 8192
@@ -206,8 +206,8 @@ def _add_layernorm_fwd_triton(x, residual, weight, bias, eps, seed, dropout_p):
     _check_fwd_inputs(x, residual, weight, bias, seed, dropout_p)
     require_triton(x, residual, weight, bias)
     hidden = x.shape[-1]
-    x2, residual2 = as_rows(x, hidden), as_rows(residual, hidden)
-    n_rows = x2.shape[0]
+    x2, x_stride, n_rows = rows(x, hidden)
+    residual2, residual_stride, _ = rows(residual, hidden)
     # Allocated in x's shape (contiguous: the kernel writes rows of `hidden`), not as a view of
     # a 2-D buffer: autograd forbids in-place edits of an op's output that is a view.
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -217,7 +217,7 @@ def _add_layernorm_fwd_triton(x, residual, weight, bias, eps, seed, dropout_p):
         block_h, rows_per_program, num_warps = _layernorm_blocks(hidden)
         launch(_add_layernorm_fwd_kernel, out)[(cdiv(n_rows, rows_per_program),)](
             x2, residual2, weight, bias, out, mean, rstd,
-            x2.stride(0), residual2.stride(0), n_rows, hidden, eps,
+            x_stride, residual_stride, n_rows, hidden, eps,
             dropout_p, _keep_scale(dropout_p), seed,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0,
             BLOCK_H=block_h, ROWS_PER_PROGRAM=rows_per_program, num_warps=num_warps)
@@ -245,14 +245,15 @@ def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, d
     _check_bwd_inputs(grad_out, x, residual, weight, mean, rstd, seed, dropout_p)
     require_triton(grad_out, x, residual, weight, mean, rstd)
     hidden = x.shape[-1]
-    grad2, x2, residual2 = (as_rows(t, hidden) for t in (grad_out, x, residual))
-    n_rows = x2.shape[0]
+    grad2, grad_stride, n_rows = rows(grad_out, hidden)
+    x2, x_stride, _ = rows(x, hidden)
+    residual2, residual_stride, _ = rows(residual, hidden)
     has_dropout = dropout_p > 0.0
     block_h, rows_per_program, num_warps = _layernorm_blocks(hidden)
     programs = reduction_programs(x.device, cdiv(n_rows, rows_per_program))
     new = lambda shape, dtype=x.dtype: torch.empty(shape, dtype=dtype, device=x.device)
-    d_residual = new((n_rows, hidden))
-    d_x = new((n_rows, hidden)) if has_dropout else None
+    d_residual = new(x.shape)
+    d_x = new(x.shape) if has_dropout else None
     # Programs without rows still store their (zero) partial row, so the buffers need no zeroing.
     d_weight_partial = new((programs, hidden), torch.float32) if weight is not None else None
     d_bias_partial = new((programs, hidden), torch.float32) if has_bias else None
@@ -261,14 +262,14 @@ def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, d
         launch(_add_layernorm_bwd_kernel, d_residual)[(programs,)](
             grad2, x2, residual2, weight, mean, rstd,
             d_residual, d_x, d_weight_partial, d_bias_partial,
-            grad2.stride(0), x2.stride(0), residual2.stride(0), n_rows, hidden,
+            grad_stride, x_stride, residual_stride, n_rows, hidden,
             dropout_p, _keep_scale(dropout_p), seed,
             HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, HAS_DROPOUT=has_dropout,
             BLOCK_H=block_h, ROWS_PER_PROGRAM=rows_per_program, num_warps=num_warps)
     reduce_rows = lambda partial: (torch.zeros(hidden, dtype=x.dtype, device=x.device) if empty
-                                   else partial.sum(0).to(x.dtype))
-    return (d_residual.view(x.shape),
-            d_x.view(x.shape) if has_dropout else new((0,)),
+                                   else as_dtype(partial.sum(0), x.dtype))
+    return (d_residual,
+            d_x if has_dropout else new((0,)),
             reduce_rows(d_weight_partial) if weight is not None else new((0,)),
             reduce_rows(d_bias_partial) if has_bias else new((0,)))
 

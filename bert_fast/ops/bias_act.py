@@ -35,10 +35,10 @@ from torch.nn import functional as F
 
 from ._autograd import (autocasting, forbid_double_backward, once_differentiable, records_grad, thin_apply,
                         use_registered_op)
-from ._triton import (as_dtype, as_rows, cdiv, compute_dtype, cpu_kernel, KERNEL_DTYPES, launch, next_power_of_2,
-                      nothing_to_launch, reduction_programs, require_triton, tl, triton, uses_triton)
-# Shared with add_layernorm: the dtypes the kernels take, the (rows, N) view the launchers
-# need, and the grid of a kernel that reduces over rows.
+from ._triton import (as_dtype, cdiv, compute_dtype, cpu_kernel, KERNEL_DTYPES, launch, next_power_of_2,
+                      nothing_to_launch, reduction_programs, require_triton, rows, tl, triton, uses_triton)
+# Shared with add_layernorm: the dtypes the kernels take, the rows the launchers walk, and the
+# grid of a kernel that reduces over rows.
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 
@@ -170,8 +170,7 @@ def _bias_act_fwd_triton(h, bias, activation):
     _check_inputs(h, bias, activation)
     require_triton(h, bias)
     n_cols = h.shape[-1]
-    h2 = as_rows(h, n_cols)
-    n_rows = h2.shape[0]
+    h2, h_stride, n_rows = rows(h, n_cols)
     # h's shape, contiguous (the kernel writes rows of n_cols): an output that is a view of a
     # 2-D buffer could not be edited in place under autograd.
     out = torch.empty(h.shape, dtype=h.dtype, device=h.device)
@@ -179,7 +178,7 @@ def _bias_act_fwd_triton(h, bias, activation):
         block_m, block_n, num_warps = _bias_act_blocks(n_cols)
         grid = (cdiv(n_rows, block_m), cdiv(n_cols, block_n))
         launch(_bias_act_fwd_kernel, out)[grid](
-            h2, bias, out, n_rows, n_cols, h2.stride(0),
+            h2, bias, out, n_rows, n_cols, h_stride,
             ACTIVATION=activation, HAS_BIAS=bias is not None,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     return out
@@ -196,26 +195,26 @@ def _bias_act_bwd_triton(grad_out, saved, bias, activation):
                          f"got {tuple(grad_out.shape)} and {grad_out.dtype}")
     require_triton(grad_out, saved, bias)
     n_cols = saved.shape[-1]
-    grad2, saved2 = as_rows(grad_out, n_cols), as_rows(saved, n_cols)
-    n_rows = saved2.shape[0]
+    grad2, grad_stride, n_rows = rows(grad_out, n_cols)
+    saved2, saved_stride, _ = rows(saved, n_cols)
     block_m, block_n, num_warps = _bias_act_blocks(n_cols)
     col_programs = cdiv(n_cols, block_n)
     row_programs = reduction_programs(saved.device, cdiv(n_rows, block_m), col_programs)
-    d_h = torch.empty((n_rows, n_cols), dtype=saved.dtype, device=saved.device)
+    d_h = torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)
     # Every program stores its partial row (zeros if it had no rows): no zeroing needed.
     d_bias_partial = (torch.empty((row_programs, n_cols), dtype=torch.float32, device=saved.device)
                       if bias is not None else None)
     empty = nothing_to_launch(n_rows)
     if not empty:
         launch(_bias_act_bwd_kernel, d_h)[(row_programs, col_programs)](
-            grad2, saved2, bias, d_h, d_bias_partial, n_rows, n_cols, grad2.stride(0), saved2.stride(0),
+            grad2, saved2, bias, d_h, d_bias_partial, n_rows, n_cols, grad_stride, saved_stride,
             ACTIVATION=activation, HAS_BIAS=bias is not None,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     if bias is None:
         d_bias = saved.new_empty(0)
     else:
-        d_bias = torch.zeros_like(bias) if empty else d_bias_partial.sum(0).to(saved.dtype)
-    return d_h.view(saved.shape), d_bias
+        d_bias = torch.zeros_like(bias) if empty else as_dtype(d_bias_partial.sum(0), saved.dtype)
+    return d_h, d_bias
 
 
 def _bias_act_fwd_cpu(h, bias, activation):
