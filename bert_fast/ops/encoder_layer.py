@@ -171,12 +171,11 @@ class _EncoderLayer(torch.autograd.Function):
         needs = ctx.needs_input_grad
         _, ln_bwd = _layernorm_ops(spec.extension)
 
-        # LN2: the residual's gradient (to y) and the FFN output's (through its dropout).
-        shape = grad_out.shape
-        d_res, d_drop, d_ln2_w, d_ln2_b = ln_bwd(grad_out, f.view(shape), y.view(shape), ln2_w, mean2, rstd2,
+        # LN2: the residual's gradient (to y) and the FFN output's (through its dropout), on rows
+        # like the rest of the backward (f is already).
+        d_res, d_drop, d_ln2_w, d_ln2_b = ln_bwd(grad_out.reshape(-1, hidden), f, y, ln2_w, mean2, rstd2,
                                                  seeds[2], p, has_ln2_b)
-        d_res = d_res.reshape(-1, hidden)
-        d_f = (d_drop if p > 0.0 else d_res).reshape(-1, hidden)
+        d_f = d_drop if p > 0.0 else d_res
         d_w2 = d_f.t().mm(h) if needs[16] else None
         d_b2 = d_f.sum(0) if needs[17] else None
         d_h = d_f.mm(w_2)
