@@ -34,11 +34,11 @@ counter is unique per element for L <= 65536, and the backward kernels regenerat
 Cost model, per (batch, head) with sequence length L and head dim d (e = bytes per element):
   forward   2 GEMMs (Q K^T, P V): 4 L^2 d FLOPs. HBM: Q, K, V read once per query block (K, V
             re-reads mostly hit L2) and the context written once: ~(3 + 1) L d e bytes, + 8 L (LSE).
-  backward  preprocess delta = rowsum(dO * O): reads 2 L d e. dK/dV kernel: 4 GEMMs (recompute
-            K Q^T, dV += P^T dO, dP^T = V dO^T, dK += dS^T Q), dQ kernel: 3 GEMMs (recompute
-            Q K^T, dP = dO V^T, dQ += dS K): 14 L^2 d FLOPs, 1.4x the 10 L^2 d of a fused
-            single-kernel backward, paid to stay deterministic without atomics. HBM: ~(3 + 2 + 3)
-            L d e bytes (qkv, O and dO, dqkv) + stats.
+  backward  dQ kernel (first): delta = rowsum(dO * O) of its rows (stored for the next kernel),
+            then 3 GEMMs (recompute Q K^T, dP = dO V^T, dQ += dS K); dK/dV kernel: 4 GEMMs
+            (recompute K Q^T, dV += P^T dO, dP^T = V dO^T, dK += dS^T Q): 14 L^2 d FLOPs, 1.4x
+            the 10 L^2 d of a fused single-kernel backward, paid to stay deterministic without
+            atomics. HBM: ~(3 + 2 + 3) L d e bytes (qkv, O and dO, dqkv) + stats.
 Arithmetic intensity ~L / e FLOP per byte: near the ridge of an A100 / H100 (~150-300 FLOP/B in
 fp16) at BERT's L = 128-512, so the target is HBM bandwidth at L = 128 and a large fraction of
 the tensor-core peak at L >= 512 (not measured yet: needs a GPU).
@@ -274,36 +274,6 @@ def _attention_fwd_kernel(
 
 
 @triton.jit
-def _attention_bwd_preprocess_kernel(
-        out, dout, delta, cu_seqlens,
-        stride_out_b, stride_out_l, stride_out_f,
-        stride_dout_b, stride_dout_l, stride_dout_f,
-        stride_delta_b, stride_delta_h, stride_delta_l,
-        num_heads, head_dim, max_seqlen,
-        IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """delta = rowsum(dO * O) in fp32 for BLOCK_M rows of one (batch, head)."""
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    b = bh // num_heads
-    h = bh % num_heads
-    first, seq_len = _sequence_span(cu_seqlens, b, max_seqlen, IS_VARLEN)
-    if start_m >= seq_len:
-        return
-    rows = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    row_ok = rows < seq_len
-    mask = row_ok[:, None] & (offs_d < head_dim)[None, :]
-    o = tl.load(out + b.to(tl.int64) * stride_out_b + first * stride_out_l
-                + rows[:, None] * stride_out_l + (h * head_dim + offs_d[None, :]) * stride_out_f,
-                mask=mask, other=0.0)
-    do = tl.load(dout + b.to(tl.int64) * stride_dout_b + first * stride_dout_l
-                 + rows[:, None] * stride_dout_l + (h * head_dim + offs_d[None, :]) * stride_dout_f,
-                 mask=mask, other=0.0)
-    tl.store(delta + b.to(tl.int64) * stride_delta_b + h * stride_delta_h + (first + rows) * stride_delta_l,
-             tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=row_ok)
-
-
-@triton.jit
 def _attention_bwd_dkdv_kernel(
         qkv, dout, lse, delta, dqkv, visible_counts, cu_seqlens,
         stride_qkv_b, stride_qkv_l, stride_qkv_f,
@@ -390,8 +360,9 @@ def _attention_bwd_dkdv_kernel(
 
 @triton.jit
 def _attention_bwd_dq_kernel(
-        qkv, dout, lse, delta, dqkv, visible_counts, cu_seqlens,
+        qkv, out, dout, lse, delta, dqkv, visible_counts, cu_seqlens,
         stride_qkv_b, stride_qkv_l, stride_qkv_f,
+        stride_out_b, stride_out_l, stride_out_f,
         stride_dout_b, stride_dout_l, stride_dout_f,
         stride_dqkv_b, stride_dqkv_l, stride_dqkv_f,
         stride_lse_b, stride_lse_h, stride_lse_l,
@@ -400,7 +371,9 @@ def _attention_bwd_dq_kernel(
         HAS_VALID_LENS: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program: dQ of BLOCK_M queries of one (batch, head), looping over all keys.
+    """One program: dQ of BLOCK_M queries of one (batch, head), looping over all keys; first
+    delta = rowsum(dO * O) in fp32 of its rows, which it uses and stores for the dK/dV kernel
+    (launched after it: no pass of its own over O and dO).
 
     Key rows past the sequence's end load zero K and V, so whatever weight they get, their
     dS multiplies a zero K row.
@@ -415,6 +388,7 @@ def _attention_bwd_dq_kernel(
         return
     hidden = num_heads * head_dim
     qkv += b.to(tl.int64) * stride_qkv_b + first * stride_qkv_l + h * head_dim * stride_qkv_f
+    out += b.to(tl.int64) * stride_out_b + first * stride_out_l + h * head_dim * stride_out_f
     dout += b.to(tl.int64) * stride_dout_b + first * stride_dout_l + h * head_dim * stride_dout_f
     dqkv += b.to(tl.int64) * stride_dqkv_b + first * stride_dqkv_l + h * head_dim * stride_dqkv_f
     stats_offset = b.to(tl.int64) * stride_lse_b + h * stride_lse_h + first * stride_lse_l
@@ -429,8 +403,10 @@ def _attention_bwd_dq_kernel(
                 mask=q_mask, other=0.0)
     do = tl.load(dout + queries[:, None] * stride_dout_l + offs_d[None, :] * stride_dout_f,
                  mask=q_mask, other=0.0)
+    o = tl.load(out + queries[:, None] * stride_out_l + offs_d[None, :] * stride_out_f, mask=q_mask, other=0.0)
+    delta_rows = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(delta + stats_offset + queries * stride_lse_l, delta_rows, mask=query_ok)
     lse_hi, lse_lo = _split_lse(tl.load(lse + stats_offset + queries * stride_lse_l, mask=query_ok, other=0.0))
-    delta_rows = tl.load(delta + stats_offset + queries * stride_lse_l, mask=query_ok, other=0.0)
     if HAS_VALID_LENS:
         counts = tl.load(visible_counts + b * stride_counts_b + queries * stride_counts_l,
                          mask=query_ok, other=0)
@@ -639,22 +615,21 @@ def _launch_bwd(grad_out, qkv, out, lse, dqkv, counts, cu_seqlens, batch, num_he
         return
     lse = lse.contiguous()    # delta takes its layout, and the kernels read both with lse's strides
     delta = torch.empty_like(lse, dtype=torch.float32)
-    launch(_attention_bwd_preprocess_kernel, delta)[(cdiv(max_seqlen, dq_tiles.block_m), batch * num_heads)](
-        out, grad_out, delta, cu_seqlens, *_strides(out), *_strides(grad_out), *_strides(delta),
-        num_heads, head_dim, max_seqlen,
-        IS_VARLEN=cu_seqlens is not None, BLOCK_M=dq_tiles.block_m, BLOCK_D=block_d,
-        num_warps=dq_tiles.num_warps)
-    args = (qkv, grad_out, lse, delta, dqkv, counts, cu_seqlens,
-            *_strides(qkv), *_strides(grad_out), *_strides(dqkv), *_strides(lse),
-            *(counts.stride() if counts is not None else (0, 0)),
-            num_heads, head_dim, max_seqlen, 1.0 / math.sqrt(head_dim), dropout_p, seed)
+    counts_strides = counts.stride() if counts is not None else (0, 0)
+    scalars = (num_heads, head_dim, max_seqlen, 1.0 / math.sqrt(head_dim), dropout_p, seed)
     flags = dict(HAS_VALID_LENS=counts is not None, IS_VARLEN=cu_seqlens is not None,
                  HAS_DROPOUT=dropout_p > 0.0, DOT_PRECISION=precision, BLOCK_D=block_d)
-    for kernel, tiles, blocks in ((_attention_bwd_dkdv_kernel, dkdv_tiles, dkdv_tiles.block_n),
-                                  (_attention_bwd_dq_kernel, dq_tiles, dq_tiles.block_m)):
-        launch(kernel, dqkv)[(cdiv(max_seqlen, blocks), batch * num_heads)](
-            *args, **flags, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    # dQ first: it writes delta, which the dK/dV kernel reads.
+    launch(_attention_bwd_dq_kernel, dqkv)[(cdiv(max_seqlen, dq_tiles.block_m), batch * num_heads)](
+        qkv, out, grad_out, lse, delta, dqkv, counts, cu_seqlens,
+        *_strides(qkv), *_strides(out), *_strides(grad_out), *_strides(dqkv), *_strides(lse), *counts_strides,
+        *scalars, **flags, BLOCK_M=dq_tiles.block_m, BLOCK_N=dq_tiles.block_n,
+        num_warps=dq_tiles.num_warps, num_stages=dq_tiles.num_stages)
+    launch(_attention_bwd_dkdv_kernel, dqkv)[(cdiv(max_seqlen, dkdv_tiles.block_n), batch * num_heads)](
+        qkv, grad_out, lse, delta, dqkv, counts, cu_seqlens,
+        *_strides(qkv), *_strides(grad_out), *_strides(dqkv), *_strides(lse), *counts_strides,
+        *scalars, **flags, BLOCK_M=dkdv_tiles.block_m, BLOCK_N=dkdv_tiles.block_n,
+        num_warps=dkdv_tiles.num_warps, num_stages=dkdv_tiles.num_stages)
 
 
 def _attention_fwd_triton(qkv, valid_lens, num_heads, dropout_p, seed, counts=None):
