@@ -74,6 +74,18 @@ def test_traced_launch_goes_into_the_graph():
     assert seen == [True, True]
 
 
+def _run_child(args, timeout):
+    """Run Python with ``args`` from the repository root without TRITON_INTERPRET (so kernels
+    compile for a GPU target); the JSON of its last output line."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    child = subprocess.run([sys.executable, *args], env=env, cwd=root, capture_output=True, text=True,
+                           timeout=timeout)
+    assert child.returncode == 0, child.stderr[-3000:]
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
 _CHILD = textwrap.dedent("""
     import json, torch
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
@@ -102,13 +114,7 @@ _CHILD = textwrap.dedent("""
 
 
 def test_gpu_eager_path_launches_without_the_higher_order_op():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-    child = subprocess.run([sys.executable, "-c", _CHILD], env=env, cwd=root, capture_output=True, text=True,
-                           timeout=300)
-    assert child.returncode == 0, child.stderr[-3000:]
-    counts = json.loads(child.stdout.strip().splitlines()[-1])
+    counts = _run_child(["-c", _CHILD], timeout=300)
     # Inference: the embedding sum, then per layer the attention and two add-layernorms (ReLU runs
     # in the GEMM's epilogue). Training adds the backward kernels.
     assert counts["inference"]["launches"] == 1 + 2 * 3, counts
@@ -132,7 +138,7 @@ _CACHE_CHILD = textwrap.dedent("""
 
     records = []
     def record(kernel, *launch):       # what the C launcher gets: grid, stream, ..., the arguments
-        records.append((kernel, launch[:3], launch[9:]))
+        records.append((kernel, launch[:4], launch[9:]))
 
     def init_handles(kernel):
         if kernel._run is None:
@@ -209,15 +215,9 @@ def test_eager_launches_are_the_ones_tritons_launcher_makes(tmp_path):
     2-D and no valid_lens, two lengths) and of a probe kernel whose calls vary what Triton
     specialises on: alignment, dtype, ints 1 / multiples of 16 / beyond int32, int against float
     against bool, None against a tensor, constexprs and launch options."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
     script = tmp_path / "check_launches.py"      # a file: @triton.jit reads the kernel's source
     script.write_text(_CACHE_CHILD)
-    child = subprocess.run([sys.executable, str(script)], env=env, cwd=root, capture_output=True, text=True,
-                           timeout=600)
-    assert child.returncode == 0, child.stderr[-3000:]
-    tally = json.loads(child.stdout.strip().splitlines()[-1])
+    tally = _run_child([str(script)], timeout=600)
     assert tally["first"] < tally["launches"] / 2, tally       # most launches came from the cache
 
 
