@@ -167,8 +167,8 @@ def _prepare(models, mode):
 
 
 def gpu_path_arch():
-    """The arch the GPU_PATH row compiles for (Triton's launcher included), or None under
-    Triton's interpreter, whose kernels cannot be compiled (JITFunction.run is the counter)."""
+    """The arch the GPU_PATH row compiles for (the launch included), or None under Triton's
+    interpreter, whose kernels cannot be compiled (the launch is the counter: gpu_launch_path)."""
     return None if _triton.interpreting() else GPU_PATH_ARCH
 
 
