@@ -77,3 +77,61 @@ def test_functions_take_the_full_apply_inside_functorch_transforms():
     assert type(out.grad_fn).__name__ == "_AddLayerNormBackward"
     with pytest.raises(RuntimeError, match="setup_context"):
         torch.func.grad(lambda t: ops.add_layernorm(t, t, None, None, backend="triton").sum())(x.detach())
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records what reads a tensor's values on the host: on a GPU each read waits for the device
+    (a sync), and inside a CUDA graph capture it is an error. The ATen calls are seen by the
+    mode; .tolist(), .numpy() and .cpu() of a CPU tensor reach no ATen call, so the test
+    wraps them (monkeypatch)."""
+    # _local_scalar_dense: .item(), bool(t), int(t); the rest size their output by the data.
+    READS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique",
+             "aten._unique", "aten.repeat_interleave.Tensor", "aten.equal", "aten.is_nonzero")
+    METHODS = ("tolist", "numpy", "cpu")
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.seen = []
+        for name in self.METHODS:
+            monkeypatch.setattr(torch.Tensor, name, self._recording(name, getattr(torch.Tensor, name)))
+
+    def _recording(self, name, method):
+        def recorded(tensor, *args, **kwargs):
+            self.seen.append(f"Tensor.{name}")
+            return method(tensor, *args, **kwargs)
+        return recorded
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith(self.READS):
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+@pytest.mark.parametrize("valid_lens", [None, torch.tensor([0, 6]), torch.tensor([0.0, 6.5]),
+                                        torch.tensor([[3] * L, list(range(L))])], ids=["none", "1d", "1d-float", "2d"])
+def test_gpu_path_reads_no_values_on_the_host(valid_lens, dropout, monkeypatch):
+    """Without the input check (check_inputs=False) and skip_padding, the forward, in training
+    and inference, and the backward make no host read: the GPU never waits for the host's next
+    launch on a value, and the training step can be captured in a CUDA graph
+    (torch.cuda.make_graphed_callables). The value check (check_inputs=True) reads by design,
+    once: the test sees it. (The CPU kernels read ids on purpose, to report a bad one: they
+    are on the host already. Not this path.)"""
+    cfg = dict(encoder_config(num_heads=2, head_dim=16, num_layers=2, ffn=48), dropout=dropout)
+    _, fast = encoder_pair(cfg, backend="triton", check_inputs=False)
+    tokens, segments = random_inputs(B, L, 50)
+    with kernels_on_cpu():
+        for training in (True, False):
+            fast.train(training)
+            reads = _HostReads(monkeypatch)
+            with reads, torch.inference_mode(not training):
+                out = fast(tokens, segments, valid_lens)
+                if training:
+                    out.square().mean().backward()
+            assert reads.seen == [], f"training={training}: {reads.seen}"
+            assert out.isfinite().all() and (not training or fast.blks[0].ffn.dense1.weight.grad is not None)
+        fast.check_inputs = True
+        reads = _HostReads(monkeypatch)
+        with reads:
+            fast(tokens, segments, valid_lens)
+        assert reads.seen == ["Tensor.tolist"], reads.seen
