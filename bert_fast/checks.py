@@ -164,8 +164,20 @@ def check_encoder_values(tokens, segments, valid_lens, *, vocab_size):
         valid_lens = valid_lens.detach()
     if torch.compiler.is_compiling():
         return tokens + _check_values_op(tokens, segments, valid_lens, vocab_size)
+    if _capturing_cuda_graph(tokens):
+        # The read would end the capture with CUDA's "operation not permitted when stream is
+        # capturing"; a check at capture time would not run at the replays anyway.
+        raise RuntimeError(
+            "check_inputs=True reads the input values on the host (one sync per call), which a CUDA "
+            "graph capture (torch.cuda.graph, torch.cuda.make_graphed_callables) cannot contain. "
+            "Capture with the check off (module.check_inputs = False) and check each call's inputs "
+            "before it replays with module.validate_inputs(tokens, segments, valid_lens)")
     _check_values(tokens, segments, valid_lens, vocab_size)
     return tokens
+
+
+def _capturing_cuda_graph(t):
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def check_encoder_inputs(tokens, segments, valid_lens, *, vocab_size, max_len, device,

@@ -66,6 +66,19 @@ def test_checks_can_be_turned_off():
     assert not fast.check_inputs
 
 
+def test_value_check_inside_a_cuda_graph_capture_says_to_turn_it_off(fast, monkeypatch):
+    """Inside a capture the value check's host read would end the capture with a CUDA error;
+    it raises first, saying how to capture (tests/test_cuda_graph.py runs a real capture)."""
+    from bert_fast import checks
+    monkeypatch.setattr(checks, "_capturing_cuda_graph", lambda t: True)
+    monkeypatch.setattr(checks, "_check_values", lambda *args: pytest.fail("read the values"))
+    with pytest.raises(RuntimeError, match=r"check_inputs=True reads the input values.*"
+                                           r"module.check_inputs = False.*module.validate_inputs"):
+        call(fast)
+    fast.check_inputs = False
+    call(fast)
+
+
 @pytest.mark.parametrize("change,message", [
     (dict(norm_shape=[7, 64]), r"norm_shape must be \[num_hiddens\]"),
     (dict(num_heads=3), "must be divisible by num_heads"),

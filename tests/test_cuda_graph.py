@@ -1163,3 +1163,80 @@ def test_optimize_passes_cuda_graphs(stub):
     assert isinstance(fast, FastBERTEncoder) and fast.cuda_graphs
     assert_eager_result(graphed(fast, tokens, segments, valid_lens), expected, "optimized reference")
     assert stub.attempts == 1
+
+
+# --------------------------------------------------------------------------- training (GPU)
+# Graphs for training are PyTorch's torch.cuda.make_graphed_callables (README, "CUDA graphs for
+# training"): the forward and the backward each captured once, replayed on every step, the
+# parameters' gradients accumulated by autograd as in eager. The eager path reads no values on
+# the host (tests/test_thin_path.py), so it can be captured with check_inputs off.
+
+def graphed_for_training(encoder, inputs):
+    encoder.check_inputs = False
+    # allow_unused_input: pos_embedding gets no gradient (REFERENCE.md's quirk), and neither
+    # do the integer inputs.
+    return torch.cuda.make_graphed_callables(encoder, inputs, allow_unused_input=True)
+
+
+def training_inputs(case, variant):
+    """make_graphed_callables takes tensors only: no valid_lens is no third argument."""
+    tokens, segments = gpu_inputs()
+    valid_lens = make_valid_lens(case, variant)
+    return (tokens, segments) if valid_lens is None else (tokens, segments, valid_lens)
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", ["none", "1d_int", "2d_float"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_training_steps_in_make_graphed_callables_match_eager(backend, case):
+    """Three steps (forward, backward, an in-place SGD update) on new inputs each: the graphed
+    encoder's outputs and gradients equal the eager copy's, so the replays read the inputs
+    copied in and the parameters as updated in place."""
+    eager_encoder = gpu_encoder(backend, check_inputs=False).train()
+    graphed_encoder = graphed_for_training(copy.deepcopy(eager_encoder), training_inputs(case, 0))
+    for step in range(3):
+        inputs = training_inputs(case, step % 2)
+        weight = torch.randn(B, L, eager_encoder.blks[0].ffn.dense2.out_features, device="cuda")
+        results = []
+        for encoder in (eager_encoder, graphed_encoder):
+            encoder.zero_grad(set_to_none=True)
+            out = encoder(*inputs)
+            (out * weight).sum().backward()
+            results.append((out.detach().clone(), {name: p.grad.clone() for name, p in encoder.named_parameters()
+                                                   if p.grad is not None}))
+            with torch.no_grad():
+                for p in encoder.parameters():
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=-1e-3)
+        (out_eager, grads_eager), (out_graphed, grads_graphed) = results
+        assert_close(out_graphed, out_eager, atol=FLOOR[torch.float32], what=f"step {step}: output")
+        assert grads_graphed.keys() == grads_eager.keys() and grads_eager, step
+        for name, grad in grads_eager.items():
+            assert_close(grads_graphed[name], grad, atol=1e-4, rtol=1e-3, what=f"step {step}: grad {name}")
+
+
+@needs_cuda
+def test_training_graph_with_dropout_draws_new_masks_each_replay():
+    """The dropout seeds are drawn on the device inside the graph (torch.randint with the CUDA
+    generator's graph-safe state): each replay drops other elements."""
+    torch.manual_seed(0)
+    encoder = FastBERTEncoder(**encoder_config(dropout=0.1), check_inputs=False).cuda().train()
+    inputs = training_inputs("1d_int", 0)
+    graphed = graphed_for_training(encoder, inputs)
+    outputs = []
+    for _ in range(2):
+        out = graphed(*inputs)
+        out.sum().backward()
+        outputs.append(out.detach().clone())
+    assert all(o.isfinite().all() for o in outputs)
+    assert not torch.equal(outputs[0], outputs[1]), "two replays drew the same dropout masks"
+
+
+@needs_cuda
+def test_training_capture_with_the_value_check_on_says_to_turn_it_off():
+    encoder = gpu_encoder("auto").train()
+    inputs = training_inputs("1d_int", 0)
+    with pytest.raises(RuntimeError, match=r"check_inputs=True reads the input values.*module.check_inputs = False"):
+        torch.cuda.make_graphed_callables(encoder, inputs, allow_unused_input=True)
+    torch.cuda.synchronize()          # the capture ended cleanly: CUDA still works, and so does a capture
+    graphed_for_training(encoder, inputs)(*inputs).sum().backward()
