@@ -28,9 +28,12 @@ and every method on the same weights and dtype, in the same run:
                             i.e. the forward replayed as a CUDA graph
   fast_cuda_graph           latency shape, CUDA only: fast with check_inputs=False, captured by
                             bert_fast.cuda_graph.capture_encoder (no compile)
-  train shape: eager, compile (of model + loss), optimize / optimize_skip_padding (the model
-  after bert_fast.optimize(..., backend=...)), optimize_compile (optimize(), backend auto, then
-  model + loss compiled), each with its own AdamW on its own weights.
+  train shape: eager, compile (of model + loss), graphed (CUDA only: the reference's encoder
+  under torch.cuda.make_graphed_callables, heads, loss and AdamW eager), optimize /
+  optimize_skip_padding (the model after bert_fast.optimize(..., backend=...)), optimize_compile
+  (optimize(), backend auto, then model + loss compiled), optimize_graphed (CUDA only: optimize(),
+  backend auto, check_inputs off, the encoder graphed as the reference's), each with its own
+  AdamW on its own weights.
 
 A method that cannot run (not built, peer missing, compile error, out of memory) becomes a row
 "skipped: <reason>"; the run goes on. Every row carries median and p90 latency, tokens/s,
@@ -191,14 +194,16 @@ HF_OPTIMIZE = "hf_optimize"       # ours: the hf_sdpa peer after optimize()
 HF_GRAPHS = "hf_optimize_cuda_graphs"    # and after optimize(..., cuda_graphs=True)
 AUTO_GRAPHS = ("fast_cuda_graphs", "fast_skip_padding_cuda_graphs")
 LATENCY_ONLY = ("fast_compile_reduce_overhead", "fast_cuda_graph")
+TRAIN_GRAPHED = ("graphed", "optimize_graphed")     # the reference's encoder graphed, and ours
 
 
 def method_names(shape, backends):
     """A shape's row names, in the order its workload lists them when every backend can run."""
     suffixes = [backend_suffix(backend) for backend in backends]
     if shape.training:
-        return ["eager", "compile", *(name + suffix for suffix in suffixes
-                                      for name in ("optimize", "optimize_skip_padding")), "optimize_compile"]
+        return ["eager", "compile", TRAIN_GRAPHED[0], *(name + suffix for suffix in suffixes
+                                                        for name in ("optimize", "optimize_skip_padding")),
+                "optimize_compile", TRAIN_GRAPHED[1]]
     names = [*INFERENCE_BASELINES, HF_OPTIMIZE, HF_GRAPHS, *(name + suffix for suffix in suffixes
                                      for name in ("fast", "fast_skip_padding")), *AUTO_GRAPHS]
     return names + list(LATENCY_ONLY if shape.name == "latency" else ())
@@ -390,10 +395,17 @@ def make_train_batch(shape, vocab_size, seed, device):
 
 
 class TrainStep:
-    """One pretraining step of a model with its own AdamW: returns the loss before the update."""
+    """One pretraining step of a model with its own AdamW: returns the loss before the update.
 
-    def __init__(self, model, device, compile_mode=None):
+    ``graph_encoder``: the encoder's forward and backward replayed from CUDA graphs
+    (torch.cuda.make_graphed_callables, the README's recipe: check_inputs off, static shapes),
+    the heads, the loss and AdamW eager. Graphs hold one training state: a call in the other
+    state (the suite checks in eval mode, times in train mode) captures again."""
+
+    def __init__(self, model, device, compile_mode=None, graph_encoder=False):
         self.model = model
+        self.graph_encoder = graph_encoder
+        self.graphed_training = None          # the training state the encoder's graphs hold
         # fused AdamW (one kernel for all parameters) on CUDA, for every method alike.
         self.optimizer = torch.optim.AdamW(model.parameters(), **ADAMW,
                                            fused=True if device.type == "cuda" else None)
@@ -406,11 +418,22 @@ class TrainStep:
                                                                      dynamic=False)
 
     def __call__(self, *batch):
+        if self.graph_encoder and self.graphed_training is not self.model.training:
+            self._capture_encoder(batch)
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss(*batch)
         loss.backward()
         self.optimizer.step()
         return loss.detach()
+
+    def _capture_encoder(self, batch):
+        encoder = self.model.encoder
+        vars(encoder).pop("forward", None)         # the previous capture's forward: the class's again
+        if hasattr(encoder, "check_inputs"):
+            encoder.check_inputs = False           # a host read cannot be captured
+        # allow_unused_input: no gradient reaches pos_embedding (REFERENCE.md's quirk).
+        torch.cuda.make_graphed_callables(encoder, tuple(batch[:3]), allow_unused_input=True)
+        self.graphed_training = self.model.training
 
 
 def train_methods(base_model, dtype, device, options):
@@ -418,12 +441,18 @@ def train_methods(base_model, dtype, device, options):
     def copy_of_model():
         return copy.deepcopy(base_model).to(device=device, dtype=dtype).eval()
 
+    def graphed(name, model, ours):
+        if device.type != "cuda":
+            return unavailable(name, "CUDA only (torch.cuda.make_graphed_callables replays CUDA graphs)", ours=ours)
+        return SuiteMethod(name, TrainStep(model, device, graph_encoder=True), ours=ours)
+
     methods = [SuiteMethod(BASELINE, TrainStep(copy_of_model(), device))]
     if options.compile:
         methods.append(SuiteMethod("compile", TrainStep(copy_of_model(), device, compile_mode="default")))
     else:
         methods.append(unavailable("compile", "not asked (--no-compile; --quick leaves compile out "
                                               "unless --compile)"))
+    methods.append(graphed(TRAIN_GRAPHED[0], copy_of_model() if device.type == "cuda" else None, ours=False))
     for backend in options.backends:
         for name, skip_padding in (("optimize", False), ("optimize_skip_padding", True)):
             name += backend_suffix(backend)
@@ -444,6 +473,8 @@ def train_methods(base_model, dtype, device, options):
     else:
         methods.append(unavailable("optimize_compile", "not asked (--no-compile; --quick leaves compile out "
                                                        "unless --compile)", ours=True))
+    methods.append(graphed(TRAIN_GRAPHED[1], optimize(copy_of_model()) if device.type == "cuda" else None,
+                           ours=True))
     return methods
 
 

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import bert_fast
 from bert_fast import bench, bench_common, bench_suite
+from bert_fast.reference import BERTModel
 
 FP32_TOLERANCE = 1e-4       # STYLE.md's floor for fp32
 CPU = torch.device("cpu")
@@ -22,8 +24,9 @@ def expected_methods(shape):
     """The row names of a shape on this CPU, in the suite's order."""
     suffixes = [bench_suite.backend_suffix(b) for b in bench_suite.default_backends(CPU)]
     if shape == "train":
-        return ["eager", "compile"] + [f"{name}{suffix}" for suffix in suffixes
-                                       for name in ("optimize", "optimize_skip_padding")] + ["optimize_compile"]
+        return ["eager", "compile", "graphed"] + [f"{name}{suffix}" for suffix in suffixes
+                                                  for name in ("optimize", "optimize_skip_padding")] + [
+            "optimize_compile", "optimize_graphed"]
     names = INFERENCE_PEERS + ["hf_optimize", "hf_optimize_cuda_graphs"] + [f"{name}{suffix}" for suffix in suffixes
                                for name in ("fast", "fast_skip_padding")]
     names += ["fast_cuda_graphs", "fast_skip_padding_cuda_graphs"]
@@ -74,7 +77,8 @@ def test_every_method_is_a_row(record, shape):
     # --quick leaves compile out; CUDA graphs need CUDA; the exact paths always run on a CPU.
     assert all("not asked" in skipped[name] for name in skipped if "compile" in name and "reduce" not in name)
     assert "compile" in skipped
-    cuda_only = (["fast_cuda_graphs", "fast_skip_padding_cuda_graphs"] if shape != "train" else []) + (
+    cuda_only = (["fast_cuda_graphs", "fast_skip_padding_cuda_graphs"] if shape != "train" else
+                 ["graphed", "optimize_graphed"]) + (
         ["fast_compile_reduce_overhead", "fast_cuda_graph"] if shape == "latency" else [])
     for name in cuda_only:
         assert "CUDA only" in skipped[name]
@@ -195,7 +199,7 @@ def test_pytest_matrix_smoke_run(tmp_path):
         assert [row["method"] for row in rows] == [
             name for name in expected_methods(shape) if "compile" not in name]
         for row in rows:
-            if "cuda_graphs" in row["method"]:          # CUDA only
+            if "cuda_graphs" in row["method"] or "graphed" in row["method"]:          # CUDA only
                 assert "CUDA only" in row["skipped"], row
                 continue
             assert row["skipped"] is None, row
@@ -311,3 +315,36 @@ def test_the_readme_tables_are_those_of_their_records():
         records = [ROOT / path for path in block.records]
         assert text == bench_common.replace_generated_table(
             text, bench_common.table_from_files(records), records, base_dir=ROOT), block.records
+
+
+def test_graphed_train_step_captures_once_per_training_state(monkeypatch):
+    """TrainStep(graph_encoder=True), the graphed rows' step, with make_graphed_callables
+    stubbed (graphs need CUDA): one capture per training state, check_inputs off, the whole
+    encoder call's arguments, and a new capture wraps the class's forward, not the last one's."""
+    captures = []
+
+    def fake_make_graphed_callables(module, sample_args, allow_unused_input=False):
+        captures.append(dict(training=module.training, check_inputs=module.check_inputs,
+                             args=sample_args, allow_unused_input=allow_unused_input))
+        original, state = module.forward, module.training
+
+        def graphed_forward(*args):        # as PyTorch's: the graphs only in the captured state
+            captures[-1]["replays"] = captures[-1].get("replays", 0) + 1
+            assert module.training == state
+            return original(*args)
+        module.forward = graphed_forward
+        return module
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", fake_make_graphed_callables)
+    config = dict(vocab_size=64, num_hiddens=32, norm_shape=[32], ffn_num_input=32, ffn_num_hiddens=64,
+                  num_heads=2, num_layers=2, dropout=0.0, max_len=32, key_size=32, query_size=32,
+                  value_size=32, hid_in_features=32, mlm_in_features=32, nsp_in_features=32)
+    model = bert_fast.optimize(BERTModel(**config)).eval()
+    batch = bench_suite.make_train_batch(bench_suite.Shape("train", 2, 16, 0.5), 64, 0, "cpu")
+    step = bench_suite.TrainStep(model, CPU, graph_encoder=True)
+    step(*batch), step(*batch)
+    model.train()
+    step(*batch), step(*batch)
+    assert [(c["training"], c["check_inputs"], c["allow_unused_input"], c["replays"]) for c in captures] == [
+        (False, False, True, 2), (True, False, True, 2)]
+    assert all(c["args"] == tuple(batch[:3]) for c in captures)
