@@ -56,6 +56,18 @@ def check_kernels_against_torch(shape, dtype, affine, device=DEVICE):
                                        ("d_residual", "d_weight", "d_bias")):
         if ref is not None:
             assert_within_rule(actual, ref, same, name)
+    check_x_bias_gradient((grad_out, x, residual, weight, mean, rstd, 0, 0.0, bias is not None),
+                          (d_residual, d_x, d_weight, d_bias), ref_grads[0], same_grads[0])
+
+
+def check_x_bias_gradient(args, grads, ref_d_x, same_d_x):
+    """x_bias=True: the same four gradients, and a fifth, the column sum of d_x (the gradient of
+    a bias added to x), within the rule of PyTorch's sum of its own d_x."""
+    *same_four, d_x_bias = _add_layernorm_bwd_triton(*args, x_bias=True)
+    for a, b, name in zip(same_four, grads, ("d_residual", "d_x", "d_weight", "d_bias")):
+        assert torch.equal(a, b), f"{name} changed with x_bias: max abs difference {max_err(a, b):.3g}"
+    hidden = ref_d_x.shape[-1]
+    assert_within_rule(d_x_bias, ref_d_x.reshape(-1, hidden).sum(0), same_d_x.reshape(-1, hidden).sum(0), "d_x_bias")
 
 
 # H = 96 and 1000 are not powers of two; rows 150 is no multiple of ROWS_PER_PROGRAM (16 at
@@ -140,6 +152,8 @@ def check_dropout(rows, hidden, dropout_p, dtype, device=DEVICE):
                                        ("d_x", "d_residual", "d_weight", "d_bias")):
         assert_within_rule(actual, ref, same, name + " with dropout")
     assert torch.all(d_x[~keep] == 0), "d_x is zero wherever the forward dropped"
+    check_x_bias_gradient((grad_out, x, residual, weight, mean, rstd, seed_tensor(1234, device), dropout_p, True),
+                          (d_residual, d_x, d_weight, d_bias), ref_grads[0], same_grads[0])
 
 
 @needs_kernels
@@ -192,6 +206,23 @@ def test_opcheck(dropout_p, affine):
     _, mean, rstd = add_layernorm_fwd(x, residual, weight, bias, 1e-5, seed, dropout_p)
     torch.library.opcheck(add_layernorm_bwd, (grad_out, x.detach(), residual.detach(), weight, mean, rstd, seed,
                                               dropout_p, bias is not None))
+
+
+@needs_kernels
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-in for the GPU's case")
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_opcheck_of_the_triton_launcher(dropout_p):
+    """The registered backward through the Triton launcher (whose d_weight and d_bias are views
+    of one reduction): its outputs must not alias (opcheck's schema test; torch.library raises
+    otherwise). Its fake-tensor tests are the CPU kernel's (test_opcheck): the interpreter
+    cannot run on fake tensors."""
+    from bert_fast.ops._triton import kernels_on_cpu
+    x, residual, weight, bias, grad_out = make_inputs((2, 3, 8), torch.float32, "both", "cpu")
+    seed = seed_tensor(7, "cpu") if dropout_p else None
+    with kernels_on_cpu():
+        _, mean, rstd = add_layernorm_fwd(x, residual, weight, bias, 1e-5, seed, dropout_p)
+        torch.library.opcheck(add_layernorm_bwd, (grad_out, x, residual, weight, mean, rstd, seed, dropout_p, True),
+                              test_utils="test_schema")
 
 
 @pytest.mark.parametrize("dropout_p,affine", [(0.0, "both"), (0.0, "none"), (0.4, "both")])

@@ -103,12 +103,16 @@ def _add_layernorm_fwd_kernel(x_ptr, residual_ptr, weight_ptr, bias_ptr, out_ptr
 
 @triton.jit
 def _add_layernorm_bwd_kernel(grad_out_ptr, x_ptr, residual_ptr, weight_ptr, mean_ptr, rstd_ptr,
-                              d_residual_ptr, d_x_ptr, d_weight_partial_ptr, d_bias_partial_ptr,
+                              d_residual_ptr, d_x_ptr, partial_ptr,
                               grad_row_stride, x_row_stride, residual_row_stride, n_rows, hidden,
                               dropout_p, keep_scale, seed_ptr,
-                              HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_X_BIAS: tl.constexpr,
                               HAS_DROPOUT: tl.constexpr, BLOCK_H: tl.constexpr,
                               ROWS_PER_PROGRAM: tl.constexpr):
+    # Column sums of this program's rows go to partial_ptr, (programs, parts, hidden) fp32, in
+    # the order d_weight, d_bias, d_x_bias (those asked for): the host reduces them in one sum.
+    # d_x_bias is the column sum of d_x, the gradient of a bias added to x before this op (the
+    # sublayer's output bias), so that bias needs no pass of its own over d_x.
     # fp32 whatever the caller typed them: fp64 (torch.compile's type for a float argument)
     # would make the loop-carried sums fp64, which Triton refuses to compile.
     dropout_p, keep_scale = tl.cast(dropout_p, tl.float32), tl.cast(keep_scale, tl.float32)
@@ -119,6 +123,7 @@ def _add_layernorm_bwd_kernel(grad_out_ptr, x_ptr, residual_ptr, weight_ptr, mea
         weight = tl.load(weight_ptr + cols, mask=col_in, other=0.0).to(tl.float32)
     d_weight_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     d_bias_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    d_x_bias_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for first_row in range(program * ROWS_PER_PROGRAM, n_rows, tl.num_programs(0) * ROWS_PER_PROGRAM):
         rows = first_row + tl.arange(0, ROWS_PER_PROGRAM)
         row_in = rows < n_rows
@@ -145,13 +150,21 @@ def _add_layernorm_bwd_kernel(grad_out_ptr, x_ptr, residual_ptr, weight_ptr, mea
         d_sum = (d_x_hat - mean_d_x_hat[:, None] - x_hat * mean_d_x_hat_x_hat[:, None]) * rstd[:, None]
         tl.store(d_residual_ptr + rows64 * hidden + cols[None, :],
                  d_sum.to(d_residual_ptr.dtype.element_ty), mask=mask)
+        d_x = d_sum
         if HAS_DROPOUT:
-            tl.store(d_x_ptr + rows64 * hidden + cols[None, :],
-                     tl.where(keep, d_sum * keep_scale, 0.0).to(d_x_ptr.dtype.element_ty), mask=mask)
+            d_x = tl.where(keep, d_sum * keep_scale, 0.0)
+            tl.store(d_x_ptr + rows64 * hidden + cols[None, :], d_x.to(d_x_ptr.dtype.element_ty), mask=mask)
+        if HAS_X_BIAS:
+            # fp32 before d_x is rounded to its dtype; padded columns of d_sum are not zero.
+            d_x_bias_acc += tl.sum(tl.where(mask, d_x, 0.0), axis=0)
+    parts: tl.constexpr = HAS_WEIGHT + HAS_BIAS + HAS_X_BIAS
     if HAS_WEIGHT:
-        tl.store(d_weight_partial_ptr + program * hidden + cols, d_weight_acc, mask=col_in)
+        tl.store(partial_ptr + program * parts * hidden + cols, d_weight_acc, mask=col_in)
     if HAS_BIAS:
-        tl.store(d_bias_partial_ptr + program * hidden + cols, d_bias_acc, mask=col_in)
+        tl.store(partial_ptr + (program * parts + HAS_WEIGHT) * hidden + cols, d_bias_acc, mask=col_in)
+    if HAS_X_BIAS:
+        tl.store(partial_ptr + (program * parts + HAS_WEIGHT + HAS_BIAS) * hidden + cols, d_x_bias_acc,
+                 mask=col_in)
 
 
 def _layernorm_blocks(hidden):
@@ -236,11 +249,14 @@ def _check_bwd_inputs(grad_out, x, residual, weight, mean, rstd, seed, dropout_p
                              f"{t.dtype} {tuple(t.shape)}")
 
 
-def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias):
-    """Triton backward: (d_residual, d_x, d_weight, d_bias), shaped like the forward's inputs.
+def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias,
+                              x_bias=False):
+    """Triton backward: (d_residual, d_x, d_weight, d_bias), shaped like the forward's inputs,
+    and with ``x_bias`` a fifth, d_x's column sum: the gradient of a bias added to x.
 
     Gradients this call need not compute come back as empty (0-element) tensors: d_x when
     dropout_p == 0 (it equals d_residual), d_weight when weight is None, d_bias when not has_bias.
+    The (H,) gradients are views of one (parts, H) tensor: one reduction makes them all.
     """
     _check_bwd_inputs(grad_out, x, residual, weight, mean, rstd, seed, dropout_p)
     require_triton(grad_out, x, residual, weight, mean, rstd)
@@ -254,24 +270,25 @@ def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, d
     new = lambda shape, dtype=x.dtype: torch.empty(shape, dtype=dtype, device=x.device)
     d_residual = new(x.shape)
     d_x = new(x.shape) if has_dropout else None
-    # Programs without rows still store their (zero) partial row, so the buffers need no zeroing.
-    d_weight_partial = new((programs, hidden), torch.float32) if weight is not None else None
-    d_bias_partial = new((programs, hidden), torch.float32) if has_bias else None
+    has_weight = weight is not None
+    parts = has_weight + has_bias + x_bias
+    # Programs without rows still store their (zero) partial rows, so it needs no zeroing.
+    partials = new((programs, parts, hidden), torch.float32) if parts else None
     empty = nothing_to_launch(n_rows)
     if not empty:
         launch(_add_layernorm_bwd_kernel, d_residual)[(programs,)](
-            grad2, x2, residual2, weight, mean, rstd,
-            d_residual, d_x, d_weight_partial, d_bias_partial,
+            grad2, x2, residual2, weight, mean, rstd, d_residual, d_x, partials,
             grad_stride, x_stride, residual_stride, n_rows, hidden,
             dropout_p, _keep_scale(dropout_p), seed,
-            HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, HAS_DROPOUT=has_dropout,
+            HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, HAS_X_BIAS=x_bias, HAS_DROPOUT=has_dropout,
             BLOCK_H=block_h, ROWS_PER_PROGRAM=rows_per_program, num_warps=num_warps)
-    reduce_rows = lambda partial: (torch.zeros(hidden, dtype=x.dtype, device=x.device) if empty
-                                   else as_dtype(partial.sum(0), x.dtype))
-    return (d_residual,
-            d_x if has_dropout else new((0,)),
-            reduce_rows(d_weight_partial) if weight is not None else new((0,)),
-            reduce_rows(d_bias_partial) if has_bias else new((0,)))
+    if parts:
+        sums = (torch.zeros((parts, hidden), dtype=x.dtype, device=x.device) if empty
+                else as_dtype(partials.sum(0), x.dtype))
+        sums = iter(sums.unbind(0))
+    grads = (d_residual, d_x if has_dropout else new((0,)),
+             next(sums) if has_weight else new((0,)), next(sums) if has_bias else new((0,)))
+    return grads + (next(sums),) if x_bias else grads
 
 
 def _dropout_keep_scale_cpu(x, seed, dropout_p, dtype):
@@ -341,10 +358,16 @@ def _add_layernorm_fwd(x, residual, weight, bias, eps, seed, dropout_p):
     return _add_layernorm_fwd_triton(x, residual, weight, bias, eps, seed, dropout_p)
 
 
-def _add_layernorm_bwd(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias):
+def _add_layernorm_bwd(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias, x_bias=False):
+    """The launcher for the inputs' device; ``x_bias``: also d_x's column sum (a fifth output,
+    see _add_layernorm_bwd_triton), which the CPU kernel sums separately."""
     if cpu_kernel(x):
-        return _add_layernorm_bwd_cpu(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias)
-    return _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias)
+        grads = _add_layernorm_bwd_cpu(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias)
+        if not x_bias:
+            return grads
+        d_x = grads[1] if dropout_p > 0.0 else grads[0]
+        return grads + (d_x.sum(tuple(range(d_x.dim() - 1))),)
+    return _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias, x_bias)
 
 
 @triton_op("bert_fast::add_layernorm_fwd", mutates_args=())
@@ -363,9 +386,14 @@ def add_layernorm_bwd(grad_out: torch.Tensor, x: torch.Tensor, residual: torch.T
                       dropout_p: float, has_bias: bool
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d_residual, d_x, d_weight, d_bias); see _add_layernorm_bwd_triton for the empty ones."""
-    grads = _add_layernorm_bwd(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias)
+    d_residual, d_x, d_weight, d_bias = _add_layernorm_bwd(grad_out, x, residual, weight, mean, rstd, seed,
+                                                           dropout_p, has_bias)
+    if d_weight is not None and d_bias is not None:
+        # The Triton launcher's are views of one tensor, and a custom op's outputs may not
+        # alias (below autograd a view has no _base to tell): this path is torch.compile's.
+        d_bias = d_bias.clone()
     # Gradients not computed: the CPU kernel's None, an empty tensor each in the schema.
-    return tuple(x.new_empty(0) if g is None else g for g in grads)
+    return tuple(x.new_empty(0) if g is None else g for g in (d_residual, d_x, d_weight, d_bias))
 
 
 def _setup_context(ctx, inputs, output):

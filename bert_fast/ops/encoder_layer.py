@@ -11,9 +11,11 @@ and its forward+backward 0.85x. This op runs the same launchers for the whole la
     h = act(y W1^T + b1);   out = LN2(y + drop(h W2^T + b2))
 
 in one ``torch.autograd.Function``, whose backward chains the backward launchers and GEMMs
-with the residual gradients folded into the GEMMs (``addmm(d_residual, d_z, W)``) and the
-packed QKV weight's gradient computed once and handed to W_q, W_k, W_v as three slices (no
-concatenation node). Saved tensors are what the per-op path saves, nothing more.
+with the residual gradients folded into the GEMMs (``addmm(d_residual, d_z, W)``), the
+gradients of b_o and b_2 summed by the add-norms' backward kernels beside their own weight and
+bias gradients (one reduction for the three, no pass over the rows of their own: 4 launches a
+layer fewer), and the packed QKV weight's gradient computed once and handed to W_q, W_k, W_v
+as three slices (no concatenation node). Saved tensors are what the per-op path saves.
 
 Without autograd (inference) the same forward runs with nothing saved: the per-op path's host
 work between the launches (four submodule calls, each op's backend and autograd decisions, the
@@ -110,8 +112,23 @@ def _attention_backward(grad, qkv, key_mask, num_heads, dropout_p, seed, saved):
     return torch.stack((dq, dk, dv)).permute(1, 3, 0, 2, 4).reshape(qkv.shape)
 
 
-def _layernorm_ops(extension):
-    return (_ext_fwd, _ext_bwd) if extension else (_add_layernorm_fwd, _add_layernorm_bwd)
+def _layernorm_forward(extension):
+    return _ext_fwd if extension else _add_layernorm_fwd
+
+
+def _layernorm_backward(spec, has_x_bias, grad, x, residual, weight, mean, rstd, seed, has_bias):
+    """LN(residual + drop(x))'s backward on rows: (d_residual, d_x, d_weight, d_bias, d_x_bias).
+    d_x is the branch's gradient (after its dropout); d_x_bias, the gradient of the branch's
+    bias (d_x's column sum), None unless ``has_x_bias``: the Triton kernel sums it with d_weight
+    and d_bias, one reduction for the three and no pass of its own over d_x."""
+    p = spec.dropout_p
+    if spec.extension:
+        d_res, d_drop, d_weight, d_bias = _ext_bwd(grad, x, residual, weight, mean, rstd, seed, p, has_bias)
+        d_x = d_drop if p > 0.0 else d_res
+        return d_res, d_x, d_weight, d_bias, (d_x.sum(0) if has_x_bias else None)
+    d_res, d_drop, d_weight, d_bias, *d_x_bias = _add_layernorm_bwd(grad, x, residual, weight, mean, rstd, seed,
+                                                                    p, has_bias, has_x_bias)
+    return d_res, d_drop if p > 0.0 else d_res, d_weight, d_bias, d_x_bias[0] if has_x_bias else None
 
 
 def _layer_forward(spec, key_mask, packed, x, params, ctx=None):
@@ -120,7 +137,7 @@ def _layer_forward(spec, key_mask, packed, x, params, ctx=None):
     the per-op path does."""
     (w_q, w_k, w_v, b_q, b_k, b_v, w_o, b_o, ln1_w, ln1_b, w_1, b_1, w_2, b_2, ln2_w, ln2_b) = params
     p = spec.dropout_p
-    ln_fwd, _ = _layernorm_ops(spec.extension)
+    ln_fwd = _layernorm_forward(spec.extension)
     w_qkv, b_qkv = _packed((w_q, w_k, w_v), packed[0]), _packed((b_q, b_k, b_v), packed[1])
     # (B, L, .) throughout where a GEMM allows: F.linear takes them as they are, which saves the
     # host a reshape and a view per GEMM (the backward makes the 2-D views it needs).
@@ -169,15 +186,12 @@ class _EncoderLayer(torch.autograd.Function):
         p, hidden = spec.dropout_p, x.shape[-1]
         rows, context, projected, y = (t.reshape(-1, hidden) for t in (x, context, projected, y))
         needs = ctx.needs_input_grad
-        _, ln_bwd = _layernorm_ops(spec.extension)
 
-        # LN2: the residual's gradient (to y) and the FFN output's (through its dropout), on rows
-        # like the rest of the backward (f is already).
-        d_res, d_drop, d_ln2_w, d_ln2_b = ln_bwd(grad_out.reshape(-1, hidden), f, y, ln2_w, mean2, rstd2,
-                                                 seeds[2], p, has_ln2_b)
-        d_f = d_drop if p > 0.0 else d_res
+        # LN2: the residual's gradient (to y), the FFN output's (through its dropout) and its
+        # bias's, on rows like the rest of the backward (f is already).
+        d_res, d_f, d_ln2_w, d_ln2_b, d_b2 = _layernorm_backward(
+            spec, needs[17], grad_out.reshape(-1, hidden), f, y, ln2_w, mean2, rstd2, seeds[2], has_ln2_b)
         d_w2 = d_f.t().mm(h) if needs[16] else None
-        d_b2 = d_f.sum(0) if needs[17] else None
         d_h = d_f.mm(w_2)
         if spec.activation == "relu":
             d_z = _threshold_backward(d_h, act_saved, 0)
@@ -189,10 +203,9 @@ class _EncoderLayer(torch.autograd.Function):
         d_y = torch.addmm(d_res, d_z, w_1)                 # + the residual's gradient, in the GEMM
 
         # LN1, the output projection, attention, the packed QKV projection.
-        d_res, d_drop, d_ln1_w, d_ln1_b = ln_bwd(d_y, projected, rows, ln1_w, mean1, rstd1, seeds[1], p, has_ln1_b)
-        d_projected = d_drop if p > 0.0 else d_res
+        d_res, d_projected, d_ln1_w, d_ln1_b, d_b_o = _layernorm_backward(
+            spec, has_b_o and needs[11], d_y, projected, rows, ln1_w, mean1, rstd1, seeds[1], has_ln1_b)
         d_w_o = d_projected.t().mm(context) if needs[10] else None
-        d_b_o = d_projected.sum(0) if has_b_o and needs[11] else None
         d_context = d_projected.mm(w_o).view(qkv.shape[0], qkv.shape[1], hidden)
         d_qkv = _attention_backward(d_context, qkv, key_mask, spec.num_heads, p, seeds[0],
                                     attention_saved).reshape(-1, 3 * hidden)
