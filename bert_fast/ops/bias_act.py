@@ -394,8 +394,13 @@ def linear_act(x, weight, bias, activation="relu", *, backend="torch", gemm_epil
         return out.view(*x.shape[:-1], weight.shape[0])
     if not uses_triton(backend):
         return _linear_act_torch(x, weight, bias, activation)
-    if compiling:
-        return bias_act_fwd(F.linear(x, weight), bias, activation)
     if epilogue:
         return thin_apply(_LinearReLU, x, weight, bias)
-    return bias_act(F.linear(x, weight), bias, activation)
+    h = F.linear(x, weight)
+    if bias is not None and bias.dtype != h.dtype:
+        # Under autocast the GEMM's output is in autocast's dtype; F.linear(x, weight, bias)
+        # (the reference's Linear) would cast the bias along, and so does this.
+        bias = bias.to(h.dtype)
+    if compiling:
+        return bias_act_fwd(h, bias, activation)
+    return bias_act(h, bias, activation)
