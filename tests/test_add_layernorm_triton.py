@@ -42,8 +42,8 @@ def check_kernels_against_torch(shape, dtype, affine, device=DEVICE):
     assert mean.shape == rstd.shape == (rows,) and mean.dtype == rstd.dtype == torch.float32
     d_residual, d_x, d_weight, d_bias = _add_layernorm_bwd_triton(
         grad_out, x, residual, weight, mean, rstd, 0, 0.0, bias is not None)
-    assert d_x.numel() == 0, "without dropout d_x is d_residual and is not written"
-    assert (d_weight.numel() == 0) == (weight is None) and (d_bias.numel() == 0) == (bias is None)
+    assert d_x is None, "without dropout d_x is d_residual and is not written"
+    assert (d_weight is None) == (weight is None) and (d_bias is None) == (bias is None)
 
     as64 = lambda t: t.double() if t is not None else None
     ref_out, ref_grads = torch_add_layernorm(*map(as64, (x, residual, weight, bias, grad_out)))
@@ -65,7 +65,7 @@ def check_x_bias_gradient(args, grads, ref_d_x, same_d_x):
     a bias added to x), within the rule of PyTorch's sum of its own d_x."""
     *same_four, d_x_bias = _add_layernorm_bwd_triton(*args, x_bias=True)
     for a, b, name in zip(same_four, grads, ("d_residual", "d_x", "d_weight", "d_bias")):
-        assert torch.equal(a, b), f"{name} changed with x_bias: max abs difference {max_err(a, b):.3g}"
+        assert (a is None and b is None) or torch.equal(a, b), f"{name} changed with x_bias"
     hidden = ref_d_x.shape[-1]
     assert_within_rule(d_x_bias, ref_d_x.reshape(-1, hidden).sum(0), same_d_x.reshape(-1, hidden).sum(0), "d_x_bias")
 

@@ -254,9 +254,10 @@ def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, d
     """Triton backward: (d_residual, d_x, d_weight, d_bias), shaped like the forward's inputs,
     and with ``x_bias`` a fifth, d_x's column sum: the gradient of a bias added to x.
 
-    Gradients this call need not compute come back as empty (0-element) tensors: d_x when
-    dropout_p == 0 (it equals d_residual), d_weight when weight is None, d_bias when not has_bias.
-    The (H,) gradients are views of one (parts, H) tensor: one reduction makes them all.
+    Gradients this call need not compute come back as None (as the CPU kernel's; the registered
+    op returns empty tensors): d_x when dropout_p == 0 (it equals d_residual), d_weight when
+    weight is None, d_bias when not has_bias. The (H,) gradients are views of one (parts, H)
+    tensor: one reduction makes them all.
     """
     _check_bwd_inputs(grad_out, x, residual, weight, mean, rstd, seed, dropout_p)
     require_triton(grad_out, x, residual, weight, mean, rstd)
@@ -286,8 +287,7 @@ def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, d
         sums = (torch.zeros((parts, hidden), dtype=x.dtype, device=x.device) if empty
                 else as_dtype(partials.sum(0), x.dtype))
         sums = iter(sums.unbind(0))
-    grads = (d_residual, d_x if has_dropout else new((0,)),
-             next(sums) if has_weight else new((0,)), next(sums) if has_bias else new((0,)))
+    grads = (d_residual, d_x, next(sums) if has_weight else None, next(sums) if has_bias else None)
     return grads + (next(sums),) if x_bias else grads
 
 
