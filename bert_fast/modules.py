@@ -333,8 +333,15 @@ class FastEncoderBlock(nn.Module):
             return None
         backend = backend_of(attention.backend, X)
         if (backend == "torch" or not attention.backend == addnorm1.backend == ffn.backend == addnorm2.backend
-                or autocasting() or any(_GLOBAL_HOOKS) or torch._C._get_tracing_state()):
+                or any(_GLOBAL_HOOKS) or torch._C._get_tracing_state()):
             return None
+        amp_dtype = None
+        if autocasting():
+            # Autocast for this device: the layer makes its casts (LayerSpec.amp_dtype). For
+            # another device only, or fp64 (which autocast leaves alone): the per-op path.
+            if not torch.is_autocast_enabled(X.device.type) or X.dtype == torch.float64:
+                return None
+            amp_dtype = torch.get_autocast_dtype(X.device.type)
         a, f, n1, n2 = attention._modules, ffn._modules, addnorm1._modules, addnorm2._modules
         w_q, w_k, w_v, w_o, dense1, dense2 = a["W_q"], a["W_k"], a["W_v"], a["W_o"], f["dense1"], f["dense2"]
         ln1, ln2 = n1["ln"], n2["ln"]
@@ -352,7 +359,7 @@ class FastEncoderBlock(nn.Module):
         flat = (q["weight"], k["weight"], v["weight"], q["bias"], k["bias"], v["bias"], o["weight"], o["bias"],
                 g1["weight"], g1["bias"], d1["weight"], d1["bias"], d2["weight"], d2["bias"], g2["weight"], g2["bias"])
         spec = ops.LayerSpec(attention.num_heads, float(p) if self.training else 0.0, ffn.activation,
-                             ln1.eps, ln2.eps, backend == "cuda")
+                             ln1.eps, ln2.eps, backend == "cuda", amp_dtype)
         if spec.extension:
             require_extension(X)
         key_mask = ops.prepare_key_mask(valid_lens, X.shape[1], backend, X.dtype)

@@ -38,6 +38,7 @@ from .add_layernorm import _add_layernorm_bwd, _add_layernorm_fwd, _ext_bwd, _ex
 from .attention import _attention_bwd, _attention_fwd, _runs_kernel, key_mask as _key_mask
 from .bias_act import _bias_act_bwd, _bias_act_fwd
 from ._autograd import once_differentiable, records_grad, thin_apply
+from ._triton import as_dtype
 from ._philox import dropout_seed
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -53,6 +54,8 @@ class LayerSpec(NamedTuple):
     eps1: float
     eps2: float
     extension: bool           # backend "cuda": the extension's add_layernorm
+    # Autocast's dtype where autocast is on for the layer's device type, else None.
+    amp_dtype: torch.dtype | None = None
 
 
 def _packed(parts, view):
@@ -136,18 +139,29 @@ def _layer_forward(spec, key_mask, packed, x, params, ctx=None):
     what the backward needs. Without, nothing is kept: inference frees each intermediate as
     the per-op path does."""
     (w_q, w_k, w_v, b_q, b_k, b_v, w_o, b_o, ln1_w, ln1_b, w_1, b_1, w_2, b_2, ln2_w, ln2_b) = params
-    p = spec.dropout_p
+    p, amp = spec.dropout_p, spec.amp_dtype
     ln_fwd = _layernorm_forward(spec.extension)
     w_qkv, b_qkv = _packed((w_q, w_k, w_v), packed[0]), _packed((b_q, b_k, b_v), packed[1])
+    if amp is None:
+        x_gemm, norm_dtype = x, x.dtype
+    else:
+        # Autocast's casts, made here as the per-op path's F.linear gets them from autocast:
+        # the GEMMs, the attention and the activation in autocast's dtype, the add-norms in
+        # fp32 (LayerNorm is an fp32 op under autocast; the reference's output is fp32).
+        w_qkv, b_qkv, w_o, b_o, w_1, b_1, w_2, b_2 = (as_dtype(t, amp) for t in (w_qkv, b_qkv, w_o, b_o,
+                                                                             w_1, b_1, w_2, b_2))
+        x_gemm, norm_dtype = as_dtype(x, amp), torch.float32
+        ln1_w, ln1_b, ln2_w, ln2_b = (as_dtype(t, norm_dtype) for t in (ln1_w, ln1_b, ln2_w, ln2_b))
     # (B, L, .) throughout where a GEMM allows: F.linear takes them as they are, which saves the
     # host a reshape and a view per GEMM (the backward makes the 2-D views it needs).
-    qkv = F.linear(x, w_qkv, b_qkv)
+    qkv = F.linear(x_gemm, w_qkv, b_qkv)
     # Seeds in the per-op path's order (attention, then the two dropouts of the add-norms).
     seeds = tuple(dropout_seed(p, x.device) for _ in range(3)) if p > 0.0 else (None,) * 3
     context, attention_saved = _attention_forward(qkv, key_mask, spec.num_heads, p, seeds[0])
-    projected = F.linear(context, w_o, b_o)
-    y, mean1, rstd1 = ln_fwd(projected, x, ln1_w, ln1_b, spec.eps1, seeds[1], p)
-    rows = y.view(-1, y.shape[-1])
+    projected = as_dtype(F.linear(context, w_o, b_o), norm_dtype)
+    x_norm = as_dtype(x, norm_dtype)
+    y, mean1, rstd1 = ln_fwd(projected, x_norm, ln1_w, ln1_b, spec.eps1, seeds[1], p)
+    rows = as_dtype(y.view(-1, y.shape[-1]), qkv.dtype)
     if spec.activation == "relu":
         # The GEMM's ReLU epilogue (bias in the fp32 accumulator); its output is the mask.
         h = torch._addmm_activation(b_1, rows, w_1.t()) if b_1 is not None else torch.relu(torch.mm(rows, w_1.t()))
@@ -156,16 +170,18 @@ def _layer_forward(spec, key_mask, packed, x, params, ctx=None):
         z = torch.mm(rows, w_1.t())
         h = _bias_act_fwd(z, b_1, spec.activation)
         act_saved = z
-    f = F.linear(h, w_2, b_2)
+    f = as_dtype(F.linear(h, w_2, b_2), norm_dtype)
     # On x's shape: the output is then the kernel's fresh tensor, not a view of it (a view
     # made inside a Function could not be edited in place, which the reference's output can).
     out, mean2, rstd2 = ln_fwd(f.view(x.shape), y, ln2_w, ln2_b, spec.eps2, seeds[2], p)
     if ctx is not None:
-        ctx.save_for_backward(x, w_qkv, qkv, context, projected, y, act_saved, h, f,
+        # Without autocast x_norm and x_gemm are x, and rows is y's 2-D view.
+        ctx.save_for_backward(x_norm, x_gemm, w_qkv, qkv, context, projected, y, rows, act_saved, h, f,
                               w_o, ln1_w, w_1, b_1, w_2, ln2_w)
         # Intermediates that are neither inputs nor outputs may sit on ctx (no SavedVariable).
         ctx.extras = (key_mask, attention_saved, seeds, (mean1, rstd1, mean2, rstd2))
         ctx.spec, ctx.biases = spec, tuple(b is not None for b in (b_qkv, b_o, ln1_b, ln2_b))
+        ctx.qkv_dtype = w_q.dtype
     return out
 
 
@@ -179,18 +195,25 @@ class _EncoderLayer(torch.autograd.Function):
     @staticmethod
     @once_differentiable("the fused encoder layer", "bert_fast::add_layernorm_bwd")
     def backward(ctx, grad_out):
-        (x, w_qkv, qkv, context, projected, y, act_saved, h, f,
+        (x_norm, x_gemm, w_qkv, qkv, context, projected, y, y_gemm, act_saved, h, f,
          w_o, ln1_w, w_1, b_1, w_2, ln2_w) = ctx.saved_tensors
         key_mask, attention_saved, seeds, (mean1, rstd1, mean2, rstd2) = ctx.extras
         spec, (has_b_qkv, has_b_o, has_ln1_b, has_ln2_b) = ctx.spec, ctx.biases
-        p, hidden = spec.dropout_p, x.shape[-1]
-        rows, context, projected, y = (t.reshape(-1, hidden) for t in (x, context, projected, y))
+        p, hidden, gemm_dtype = spec.dropout_p, x_norm.shape[-1], qkv.dtype
+        rows, context, projected = (t.reshape(-1, hidden) for t in (x_norm, context, projected))
+        if spec.amp_dtype is None:      # one tensor each in two roles (see the forward)
+            rows_gemm, y = rows, y_gemm
+        else:
+            rows_gemm, y = x_gemm.reshape(-1, hidden), y.reshape(-1, hidden)
         needs = ctx.needs_input_grad
+        # Parameters' gradients come out in the GEMMs' dtype; autograd casts each to its
+        # Parameter's (autocast's casts' backward). The QKV ones are cast before the split.
 
         # LN2: the residual's gradient (to y), the FFN output's (through its dropout) and its
         # bias's, on rows like the rest of the backward (f is already).
         d_res, d_f, d_ln2_w, d_ln2_b, d_b2 = _layernorm_backward(
             spec, needs[17], grad_out.reshape(-1, hidden), f, y, ln2_w, mean2, rstd2, seeds[2], has_ln2_b)
+        d_f = as_dtype(d_f, gemm_dtype)
         d_w2 = d_f.t().mm(h) if needs[16] else None
         d_h = d_f.mm(w_2)
         if spec.activation == "relu":
@@ -199,23 +222,34 @@ class _EncoderLayer(torch.autograd.Function):
         else:
             d_z, d_b1 = _bias_act_bwd(d_h, act_saved, b_1, spec.activation)
             d_b1 = d_b1 if needs[15] else None
-        d_w1 = d_z.t().mm(y) if needs[14] else None
-        d_y = torch.addmm(d_res, d_z, w_1)                 # + the residual's gradient, in the GEMM
+        d_w1 = d_z.t().mm(y_gemm) if needs[14] else None
+        d_y = _add_product(d_res, d_z, w_1)                 # + the residual's gradient, in the GEMM
 
         # LN1, the output projection, attention, the packed QKV projection.
         d_res, d_projected, d_ln1_w, d_ln1_b, d_b_o = _layernorm_backward(
             spec, has_b_o and needs[11], d_y, projected, rows, ln1_w, mean1, rstd1, seeds[1], has_ln1_b)
+        d_projected = as_dtype(d_projected, gemm_dtype)
         d_w_o = d_projected.t().mm(context) if needs[10] else None
         d_context = d_projected.mm(w_o).view(qkv.shape[0], qkv.shape[1], hidden)
         d_qkv = _attention_backward(d_context, qkv, key_mask, spec.num_heads, p, seeds[0],
                                     attention_saved).reshape(-1, 3 * hidden)
-        d_w_qkv = d_qkv.t().mm(rows).split(hidden) if any(needs[4:7]) else (None,) * 3
-        d_b_qkv = d_qkv.sum(0).split(hidden) if has_b_qkv and any(needs[7:10]) else (None,) * 3
-        d_x = torch.addmm(d_res, d_qkv, w_qkv).view(qkv.shape[0], qkv.shape[1], hidden) if needs[3] else None
+        d_w_qkv = (as_dtype(d_qkv.t().mm(rows_gemm), ctx.qkv_dtype).split(hidden) if any(needs[4:7])
+                   else (None,) * 3)
+        d_b_qkv = (as_dtype(d_qkv.sum(0), ctx.qkv_dtype).split(hidden) if has_b_qkv and any(needs[7:10])
+                   else (None,) * 3)
+        d_x = _add_product(d_res, d_qkv, w_qkv).view(qkv.shape[0], qkv.shape[1], hidden) if needs[3] else None
         return (None, None, None, d_x, *d_w_qkv, *d_b_qkv, d_w_o, d_b_o,
                 d_ln1_w if needs[12] else None, d_ln1_b if has_ln1_b and needs[13] else None,
                 d_w1, d_b1, d_w2, d_b2,
                 d_ln2_w if needs[18] else None, d_ln2_b if has_ln2_b and needs[19] else None)
+
+
+def _add_product(c, a, b):
+    """c + a @ b, in one GEMM where the dtypes allow (the residual's gradient folded in); under
+    autocast c is fp32 (the add-norm's) and the product autocast's dtype, cast up first."""
+    if c.dtype == a.dtype:
+        return torch.addmm(c, a, b)
+    return c + a.mm(b).to(c.dtype)
 
 
 def encoder_layer(spec, x, key_mask, params, packed=(None, None)):
