@@ -17,12 +17,16 @@ bias gradients (one reduction for the three, no pass over the rows of their own:
 layer fewer), and the packed QKV weight's gradient computed once and handed to W_q, W_k, W_v
 as three slices (no concatenation node). Saved tensors are what the per-op path saves.
 
+Under autocast (for the layer's device; ``LayerSpec.amp_dtype``) the layer makes autocast's
+casts itself, as the per-op path's F.linear gets them: GEMMs, attention and activation in
+autocast's dtype, the add-norms in fp32 (LayerNorm is an fp32 op under autocast).
+
 Without autograd (inference) the same forward runs with nothing saved: the per-op path's host
 work between the launches (four submodule calls, each op's backend and autograd decisions, the
 packed QKV lookup) is paid once per layer instead of once per op.
 
 Where it applies (FastEncoderBlock._fused_layer): eager, backends triton and cuda, padded
-self-attention (skip_padding keeps the per-op path), no autocast, no functorch transform, and
+self-attention (skip_padding keeps the per-op path), no functorch transform, and
 the block's submodules the plain fast ones without hooks. torch.compile traces the per-op
 registered ops instead (Inductor fuses across them itself). Attention: the Triton kernels on
 CUDA (and on the CPU with dropout, their twin); on the CPU without dropout PyTorch's fused CPU
