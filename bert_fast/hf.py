@@ -23,10 +23,15 @@ attention_mask, token_type_ids, position_ids, output_hidden_states, return_dict)
               permutation. On CPU tensors the mask is inspected on the host (free) and only a
               non-prefix mask is permuted; on other devices the permutation always runs (the
               identity for a prefix mask) rather than syncing with the host to decide.
-  layers      per layer: one QKV GEMM on the packed projection (W_q/W_k/W_v kept back to back,
-              as FastMultiHeadAttention does), ops.packed_self_attention, ops.add_layernorm,
-              ops.linear_act (GELU erf, GELU tanh or ReLU from the config), ops.add_layernorm;
-              LayerNorm eps and dropout rates read from the modules.
+  layers      on the triton and cuda backends, each layer in one call, ops.encoder_layer (one
+              autograd node in training, autocast included; bert_fast.modules.fused_layer, as
+              FastEncoderBlock), where the layer's dropout rates are equal (HF's default) and
+              its linears are plain nn.Linear with no hook on the two dense layers the per-op
+              path calls as modules. Otherwise (and on the torch backend, and with
+              skip_padding) per op: one QKV GEMM on the packed projection (W_q/W_k/W_v kept
+              back to back, as FastMultiHeadAttention does), ops.packed_self_attention,
+              ops.add_layernorm, ops.linear_act (GELU erf, GELU tanh or ReLU from the config),
+              ops.add_layernorm. LayerNorm eps and dropout rates read from the modules.
   pooler      HF's own module.
 
 CUDA graphs (``optimize(model, cuda_graphs=True)``): inference calls without position_ids and
@@ -62,7 +67,7 @@ from . import ops
 from .backend import backend_for, backend_of, resolve_backend
 from .cuda_graph import _Bucket, _Calls, _is_ids, _sliced, bucket_batch, bucket_seqlen, bucket_tokens, \
     clear_cuda_graphs, graphed
-from .modules import _linear, _pack_back_to_back_, _QKVPacking
+from .modules import _GLOBAL_HOOKS, _hookless, _linear, _pack_back_to_back_, _QKVPacking, fused_layer
 from .ops.embedding_layernorm import embedding_layernorm
 
 
@@ -225,6 +230,7 @@ class FastBertLayer(BertLayer):
     callers get HF's forward: its mask, cache and cross-attention arguments mean HF code)."""
 
     bert_fast_backend = "auto"
+    _qkv_packing = None       # pack_qkv_'s (modules._QKVPacking): the fused layer reads it in place
 
     def forward(self, hidden_states, attention_mask=None, *args, **kwargs):
         if isinstance(attention_mask, FusedAttentionMask):
@@ -249,6 +255,8 @@ class FastBertLayer(BertLayer):
         for name in ("weight", "bias"):
             params = [getattr(m, name) for m in linears]
             _pack_back_to_back_(params)
+        weights, biases = tuple(m.weight for m in linears), tuple(m.bias for m in linears if m.bias is not None)
+        self._qkv_packing = _QKVPacking.of(weights + biases) if len(biases) in (0, 3) else None
         return self
 
     def _qkv(self, X):
@@ -275,11 +283,24 @@ class FastBertLayer(BertLayer):
         return F.linear(X, weight, bias)
 
     def fused_forward(self, X, mask):
-        """The layer on (B, L, H) hidden states (or (N, H) packed ones with skip_padding)."""
+        """The layer on (B, L, H) hidden states (or (N, H) packed ones with skip_padding):
+        ops.encoder_layer where it applies (one autograd node in training, as FastEncoderBlock),
+        else one op at a time."""
         backend = backend_of(self.bert_fast_backend, X)
         attention, intermediate, output = self.attention, self.intermediate, self.output
         attn, attn_out = attention.self, attention.output
         training = self.training
+        if (mask.unpadding is None and backend != "torch" and X.dim() == 3 and not torch.compiler.is_compiling()
+                and not any(_GLOBAL_HOOKS) and not torch._C._get_tracing_state()
+                and _hookless(attn_out.dense) and _hookless(output.dense)):   # the modules called below
+            p = attn.dropout.p if training else 0.0
+            if not training or p == attn_out.dropout.p == output.dropout.p:
+                fused = fused_layer(X, mask.key_mask, backend, attn.num_attention_heads, float(p),
+                                    _activation_of(intermediate.intermediate_act_fn),
+                                    (attn.query, attn.key, attn.value, attn_out.dense, intermediate.dense,
+                                     output.dense), (attn_out.LayerNorm, output.LayerNorm), self)
+                if fused is not None:
+                    return fused
         qkv = self._qkv(X)
         attn_dropout = attn.dropout.p if training else 0.0
         if mask.unpadding is None:

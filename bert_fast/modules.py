@@ -335,42 +335,58 @@ class FastEncoderBlock(nn.Module):
         if (backend == "torch" or not attention.backend == addnorm1.backend == ffn.backend == addnorm2.backend
                 or any(_GLOBAL_HOOKS) or torch._C._get_tracing_state()):
             return None
-        amp_dtype = None
-        if autocasting():
-            # Autocast for this device: the layer makes its casts (LayerSpec.amp_dtype). For
-            # another device only, or fp64 (which autocast leaves alone): the per-op path.
-            if not torch.is_autocast_enabled(X.device.type) or X.dtype == torch.float64:
-                return None
-            amp_dtype = torch.get_autocast_dtype(X.device.type)
         a, f, n1, n2 = attention._modules, ffn._modules, addnorm1._modules, addnorm2._modules
-        w_q, w_k, w_v, w_o, dense1, dense2 = a["W_q"], a["W_k"], a["W_v"], a["W_o"], f["dense1"], f["dense2"]
-        ln1, ln2 = n1["ln"], n2["ln"]
-        linear, norm = nn.Linear, nn.LayerNorm
-        if not (type(w_q) is linear and type(w_k) is linear and type(w_v) is linear and type(w_o) is linear
-                and type(dense1) is linear and type(dense2) is linear and type(ln1) is norm and type(ln2) is norm
-                and _hookless(attention) and _hookless(addnorm1) and _hookless(ffn) and _hookless(addnorm2)
+        w_o, dense2 = a["W_o"], f["dense2"]
+        if not (_hookless(attention) and _hookless(addnorm1) and _hookless(ffn) and _hookless(addnorm2)
                 and _hookless(w_o) and _hookless(dense2)):
             return None
         p = a["dropout"].p
         if not p == n1["dropout"].p == n2["dropout"].p:
             return None
-        q, k, v, o = w_q._parameters, w_k._parameters, w_v._parameters, w_o._parameters
-        d1, d2, g1, g2 = dense1._parameters, dense2._parameters, ln1._parameters, ln2._parameters
-        flat = (q["weight"], k["weight"], v["weight"], q["bias"], k["bias"], v["bias"], o["weight"], o["bias"],
-                g1["weight"], g1["bias"], d1["weight"], d1["bias"], d2["weight"], d2["bias"], g2["weight"], g2["bias"])
-        spec = ops.LayerSpec(attention.num_heads, float(p) if self.training else 0.0, ffn.activation,
-                             ln1.eps, ln2.eps, backend == "cuda", amp_dtype)
-        if spec.extension:
-            require_extension(X)
         key_mask = ops.prepare_key_mask(valid_lens, X.shape[1], backend, X.dtype)
-        # The QKV weight (and bias) read in place where pack_qkv_ keeps them back to back.
-        packing = attention._qkv_packing
-        packed = (None, None)
-        if packing is not None:
-            qkv_params = flat[:3] if flat[3] is None else flat[:6]
-            if packing.holds(qkv_params):
-                packed = (packing.weight, packing.bias)
-        return ops.encoder_layer(spec, X, key_mask, flat, packed)
+        return fused_layer(X, key_mask, backend, attention.num_heads, float(p) if self.training else 0.0,
+                           ffn.activation, (a["W_q"], a["W_k"], a["W_v"], w_o, f["dense1"], dense2),
+                           (n1["ln"], n2["ln"]), attention)
+
+
+def fused_layer(X, key_mask, backend, num_heads, dropout_p, activation, linears, norms, packing_holder):
+    """ops.encoder_layer for a post-norm layer given by its modules, or None where it does not
+    apply (the caller's per-op path then runs): FastEncoderBlock's and bert_fast.hf's layers.
+
+    ``linears``: W_q, W_k, W_v, W_o, dense1, dense2, which must be plain nn.Linear (read by
+    their Parameters: the caller checks the hooks its per-op path honours); ``norms``: the two
+    nn.LayerNorm. ``packing_holder``: the module whose ``_qkv_packing`` (pack_qkv_) says where
+    the QKV weights lie back to back, read in place. Under autocast for X's device the layer
+    makes autocast's casts (LayerSpec.amp_dtype); autocast for another device only, or fp64
+    (which autocast leaves alone), takes the per-op path."""
+    w_q, w_k, w_v, w_o, dense1, dense2 = linears
+    ln1, ln2 = norms
+    linear, norm = nn.Linear, nn.LayerNorm
+    if not (type(w_q) is linear and type(w_k) is linear and type(w_v) is linear and type(w_o) is linear
+            and type(dense1) is linear and type(dense2) is linear and type(ln1) is norm and type(ln2) is norm):
+        return None
+    amp_dtype = None
+    if autocasting():
+        if not torch.is_autocast_enabled(X.device.type) or X.dtype == torch.float64:
+            return None
+        amp_dtype = torch.get_autocast_dtype(X.device.type)
+    q, k, v, o = w_q._parameters, w_k._parameters, w_v._parameters, w_o._parameters
+    d1, d2, g1, g2 = dense1._parameters, dense2._parameters, ln1._parameters, ln2._parameters
+    flat = (q["weight"], k["weight"], v["weight"], q["bias"], k["bias"], v["bias"], o["weight"], o["bias"],
+            g1["weight"], g1["bias"], d1["weight"], d1["bias"], d2["weight"], d2["bias"], g2["weight"], g2["bias"])
+    if (flat[3] is None) != (flat[4] is None) or (flat[3] is None) != (flat[5] is None):
+        return None        # some Q/K/V projections with a bias, some without
+    spec = ops.LayerSpec(num_heads, dropout_p, activation, ln1.eps, ln2.eps, backend == "cuda", amp_dtype)
+    if spec.extension:
+        require_extension(X)
+    # The QKV weight (and bias) read in place where pack_qkv_ keeps them back to back.
+    packing = packing_holder._qkv_packing
+    packed = (None, None)
+    if packing is not None:
+        qkv_params = flat[:3] if flat[3] is None else flat[:6]
+        if packing.holds(qkv_params):
+            packed = (packing.weight, packing.bias)
+    return ops.encoder_layer(spec, X, key_mask, flat, packed)
 
 
 class FastBERTEncoder(nn.Module):

@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel  # noqa: E402
 
 import bert_fast  # noqa: E402
+from bert_fast.backend import available_backends  # noqa: E402
 from bert_fast import cuda_graph, hf  # noqa: E402
 from bert_fast.cuda_graph import CudaGraphFallbackWarning, cuda_graph_stats  # noqa: E402
 from bert_fast.ops._triton import kernels_on_cpu  # noqa: E402
@@ -349,6 +350,96 @@ def test_triton_backend_through_the_kernels():
         w = torch.randn_like(want)
         (got * w).sum().backward()
     (want * w).sum().backward()
+    for (name, p), q in zip(ref.named_parameters(), fast.parameters()):
+        if p.grad is not None:
+            assert_close(q.grad, p.grad, ATOL, rtol=ATOL, what=f"grad {name}")
+
+
+def _layer_nodes(output):
+    """The names of the autograd nodes of the layers' outputs reachable from ``output``."""
+    seen, stack, names = set(), [output.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+FUSED_BACKENDS = [b for b in ("triton", "cuda") if b in available_backends()]
+
+
+@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "autocast"])
+@pytest.mark.parametrize("act", ["gelu", "relu"])
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_training_layers_run_fused_with_hf_gradients(backend, act, amp):
+    """On the triton and cuda backends each layer trains as one autograd node (ops.encoder_layer,
+    as FastEncoderBlock's): HF's loss and gradients (dropout 0; under autocast within bf16's
+    rounding of HF's under the same autocast)."""
+    ref, fast = hf_pair(config(act=act), cls=BertForSequenceClassification, backend=backend)
+    ref.train(), fast.train()
+    ids, types = inputs(3, 10)
+    mask = make_mask("prefix", 3, 10)
+    labels = torch.tensor([0, 1, 1])
+    outs = []
+    for model in (ref, fast):
+        with torch.autocast("cpu", amp) if amp else contextlib.nullcontext():
+            out = model(ids, attention_mask=mask, token_type_ids=types, labels=labels)
+        out.loss.backward()
+        outs.append(out)
+    assert _layer_nodes(outs[1].loss).count("_EncoderLayerBackward") == fast.config.num_hidden_layers
+    tol = ATOL if amp is None else 5e-2
+    assert_close(outs[1].loss, outs[0].loss, tol, what="loss")
+    for (name, p), q in zip(ref.named_parameters(), fast.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert_close(q.grad, p.grad, tol, rtol=tol, what=f"grad {name}")
+
+
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_fused_layers_with_dropout_draw_the_per_op_masks(backend):
+    """HF's dropout rates (0.1): the fused layers draw the per-op path's seeds in its order, so a
+    hook on a dense layer (which sends that layer one op at a time) changes nothing."""
+    _, fast = hf_pair(config(dropout=0.1), backend=backend)
+    fast.train()
+    ids, types = inputs(2, 9)
+    results = []
+    for hooked in (False, True):
+        handles = [layer.output.dense.register_forward_hook(lambda *args: None)
+                   for layer in fast.encoder.layer] if hooked else []
+        fast.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        out = fast(ids, None, types).last_hidden_state
+        out.square().mean().backward()
+        nodes = _layer_nodes(out)
+        assert ("_EncoderLayerBackward" in nodes) != hooked, nodes
+        results.append((out.detach(), [p.grad.clone() for p in fast.parameters() if p.grad is not None]))
+        for handle in handles:
+            handle.remove()
+    (fused, fused_grads), (per_op, per_op_grads) = results
+    assert_close(fused, per_op, 1e-5, what="output")
+    for got, want in zip(fused_grads, per_op_grads):
+        assert_close(got, want, 1e-5, rtol=1e-4, what="grad")
+
+
+@needs_kernels
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels run for real")
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_fused_layers_through_the_kernels(backend):
+    ref, fast = hf_pair(config(hidden=32, heads=2), cls=BertForSequenceClassification, backend=backend)
+    ref.train(), fast.train()
+    ids, types = inputs(2, 7)
+    mask = make_mask("prefix", 2, 7)
+    labels = torch.tensor([1, 0])
+    with kernels_on_cpu():
+        got = fast(ids, attention_mask=mask, token_type_ids=types, labels=labels).loss
+        assert _layer_nodes(got).count("_EncoderLayerBackward") == fast.config.num_hidden_layers
+        got.backward()
+    want = ref(ids, attention_mask=mask, token_type_ids=types, labels=labels).loss
+    want.backward()
+    assert_close(got, want, ATOL, what="loss")
     for (name, p), q in zip(ref.named_parameters(), fast.parameters()):
         if p.grad is not None:
             assert_close(q.grad, p.grad, ATOL, rtol=ATOL, what=f"grad {name}")
