@@ -69,6 +69,25 @@ def compare_forward_backward(ref, fast, tokens, segments, valid_lens, atol=1e-4,
         assert_close(q.grad, p.grad, atol=atol, rtol=atol, what=f"grad {name}")
 
 
+def compare_under_autocast(ref, fast, tokens, segments, valid_lens, dtype, tol):
+    """A forward under CPU autocast in ``dtype`` and a backward of a fixed loss, for both
+    models: the output is fp32 (LayerNorm's under autocast) and the same within ``tol``, and
+    so is every fp32 Parameter's gradient."""
+    results = []
+    for model in (ref, fast):
+        with torch.autocast("cpu", dtype):
+            out = model(tokens, segments, valid_lens)
+        (out.float() * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        results.append((out, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}))
+    (expected, expected_grads), (out, grads) = results
+    assert out.dtype == expected.dtype == torch.float32
+    assert_close(out, expected, atol=tol, rtol=tol / 2)
+    assert grads.keys() == expected_grads.keys()
+    for name, want in expected_grads.items():
+        assert grads[name].dtype == torch.float32, name
+        assert_close(grads[name], want, atol=tol, rtol=tol, what=f"grad {name}")
+
+
 def assert_within_rule(actual, reference, same_precision_torch, what="output"):
     """STYLE.md: error vs the (fp64) reference <= 2x PyTorch's error at that precision + floor."""
     bound = 2 * max_err(same_precision_torch, reference) + FLOOR[actual.dtype]

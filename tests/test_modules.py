@@ -8,8 +8,8 @@ import torch
 from bert_fast import FastBERTEncoder, FastBERTModel, FastEncoderBlock, optimize
 from bert_fast import reference as R
 from bert_fast.backend import available_backends
-from tests.helpers import (FLOOR, assert_close, compare_forward_backward, encoder_config, encoder_pair, max_err,
-                           random_inputs)
+from tests.helpers import (FLOOR, assert_close, compare_forward_backward, compare_under_autocast, encoder_config,
+                           encoder_pair, max_err, random_inputs)
 
 B, L = 3, 13   # L not a multiple of 16
 
@@ -108,19 +108,7 @@ def test_autocast_training_matches_the_reference_under_autocast(backend):
     ref, fast = encoder_pair(encoder_config(num_layers=2), backend=backend)
     ref.train(), fast.train()
     tokens, segments = random_inputs(B, L, 50)
-    valid_lens = torch.tensor([5, 0, 11])
-    results = []
-    for model in (ref, fast):
-        with torch.autocast("cpu", torch.bfloat16):
-            out = model(tokens, segments, valid_lens)
-        (out.float() * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
-        results.append((out, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}))
-    (expected, expected_grads), (out, grads) = results
-    assert out.dtype == expected.dtype == torch.float32
-    assert_close(out, expected, atol=5e-2, rtol=2e-2)
-    assert grads.keys() == expected_grads.keys()
-    for name, want in expected_grads.items():
-        assert_close(grads[name], want, atol=5e-2, rtol=5e-2, what=f"grad {name}")
+    compare_under_autocast(ref, fast, tokens, segments, torch.tensor([5, 0, 11]), torch.bfloat16, 5e-2)
 
 
 def test_learn_pos_embedding_gradient():

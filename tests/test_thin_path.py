@@ -13,8 +13,8 @@ import torch
 from bert_fast import ops
 from bert_fast.backend import available_backends
 from bert_fast.ops._triton import kernels_on_cpu
-from tests.helpers import (assert_close, compare_forward_backward, encoder_config, encoder_pair, needs_kernels,
-                           random_inputs)
+from tests.helpers import (assert_close, compare_forward_backward, compare_under_autocast, encoder_config,
+                           encoder_pair, needs_kernels, random_inputs)
 
 pytestmark = [needs_kernels, pytest.mark.skipif(torch.cuda.is_available(),
                                                 reason="on a GPU the GPU tests run this path for real")]
@@ -42,10 +42,10 @@ def test_encoder_through_the_kernels_matches_the_reference(backend, valid_lens):
 @pytest.mark.parametrize("backend", [b for b in available_backends() if b in ("triton", "cuda")])
 def test_autocast_training_through_the_kernels(backend, activation):
     """Mixed precision as people fine-tune (autocast, fp32 weights) on the GPU's path: the
-    GEMMs in bf16 with the bias cast along (as the reference's Linear under autocast), the
-    add-norms in fp32; values and gradients within bf16's error of the reference under the same
-    autocast (tests/test_modules.py checks the CPU kernels so). In float16: Triton's
-    interpreter mistreats bfloat16 in tl.dot, which the GPU runs right (its bf16 tests)."""
+    GEMMs in autocast's dtype with the bias cast along (as the reference's Linear under
+    autocast), the add-norms in fp32; values and gradients within its error of the reference
+    under the same autocast (tests/test_modules.py checks the CPU kernels in bf16). In fp16:
+    Triton's interpreter mistreats bfloat16 in tl.dot, which the GPU runs right (its bf16 tests)."""
     cfg = encoder_config(num_heads=2, head_dim=16, num_layers=2, ffn=48)
     ref, fast = encoder_pair(cfg, backend=backend, activation=activation)
     if activation == "gelu":        # the reference's FFN is ReLU: give it the same GELU
@@ -53,21 +53,8 @@ def test_autocast_training_through_the_kernels(backend, activation):
             blk.ffn.relu = torch.nn.GELU()
     ref.train(), fast.train()
     tokens, segments = random_inputs(B, L, 50)
-    valid_lens = torch.tensor([4, 11])
-    results = []
     with kernels_on_cpu():
-        for model in (ref, fast):
-            with torch.autocast("cpu", torch.float16):
-                out = model(tokens, segments, valid_lens)
-            (out.float() * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
-            results.append((out, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}))
-    (expected, expected_grads), (out, grads) = results
-    assert out.dtype == expected.dtype == torch.float32
-    assert_close(out, expected, atol=1e-2, rtol=1e-2)
-    assert grads.keys() == expected_grads.keys()
-    for name, want in expected_grads.items():
-        assert grads[name].dtype == torch.float32, name
-        assert_close(grads[name], want, atol=1e-2, rtol=1e-2, what=f"grad {name}")
+        compare_under_autocast(ref, fast, tokens, segments, torch.tensor([4, 11]), torch.float16, 1e-2)
 
 
 @pytest.mark.parametrize("activation, gemm_epilogue", [("relu", True), ("relu", False), ("gelu", None)])
