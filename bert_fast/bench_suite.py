@@ -441,10 +441,10 @@ def train_methods(base_model, dtype, device, options):
     def copy_of_model():
         return copy.deepcopy(base_model).to(device=device, dtype=dtype).eval()
 
-    def graphed(name, model, ours):
+    def graphed(name, build, ours):
         if device.type != "cuda":
             return unavailable(name, "CUDA only (torch.cuda.make_graphed_callables replays CUDA graphs)", ours=ours)
-        return SuiteMethod(name, TrainStep(model, device, graph_encoder=True), ours=ours)
+        return SuiteMethod(name, TrainStep(build(), device, graph_encoder=True), ours=ours)
 
     methods = [SuiteMethod(BASELINE, TrainStep(copy_of_model(), device))]
     if options.compile:
@@ -452,7 +452,7 @@ def train_methods(base_model, dtype, device, options):
     else:
         methods.append(unavailable("compile", "not asked (--no-compile; --quick leaves compile out "
                                               "unless --compile)"))
-    methods.append(graphed(TRAIN_GRAPHED[0], copy_of_model() if device.type == "cuda" else None, ours=False))
+    methods.append(graphed(TRAIN_GRAPHED[0], copy_of_model, ours=False))
     for backend in options.backends:
         for name, skip_padding in (("optimize", False), ("optimize_skip_padding", True)):
             name += backend_suffix(backend)
@@ -473,8 +473,7 @@ def train_methods(base_model, dtype, device, options):
     else:
         methods.append(unavailable("optimize_compile", "not asked (--no-compile; --quick leaves compile out "
                                                        "unless --compile)", ours=True))
-    methods.append(graphed(TRAIN_GRAPHED[1], optimize(copy_of_model()) if device.type == "cuda" else None,
-                           ours=True))
+    methods.append(graphed(TRAIN_GRAPHED[1], lambda: optimize(copy_of_model()), ours=True))
     return methods
 
 
