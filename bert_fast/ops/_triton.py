@@ -70,6 +70,15 @@ def cpu_kernel(t):
     return t.is_cpu and not _KERNELS_ON_CPU[0]
 
 
+def values_on_host(*tensors):
+    """Whether the tensors' values can be read here without a device sync or a traced graph:
+    eager plain CPU tensors (None allowed). FakeTensor, FunctionalTensor and other subclasses
+    under torch.compile, and functorch's wrappers, are not read."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return False
+    return all(t is None or (type(t) is torch.Tensor and t.is_cpu) for t in tensors)
+
+
 @contextlib.contextmanager
 def launchers_take_cpu_tensors():
     """Within: CPU tensors take the Triton launchers, as CUDA tensors do. What launches (or

@@ -55,7 +55,7 @@ from ..reference import MASK_VALUE
 from ._autograd import forbid_double_backward, once_differentiable, records_grad, thin_apply, use_registered_op
 from ._philox import check_seed, dropout_keep, dropout_seed
 from ._triton import (as_dtype, cdiv, compute_dtype, cpu_kernel, interpreting, launch, require_triton, tl,
-                      triton, uses_triton)
+                      triton, uses_triton, values_on_host)
 from .padding import pad, unpad
 
 
@@ -87,7 +87,8 @@ class KeyMask(NamedTuple):
     valid_lens: torch.Tensor
     counts: torch.Tensor | None = None          # (B, L) int32, _visible_key_counts
     sdpa_mask: torch.Tensor | None = None       # key_mask()[0], bool or additive in q's dtype
-    query_keep: torch.Tensor | None = None      # key_mask()[1]
+    # key_mask()[1], bool or in q's dtype; None where every query sees a key.
+    query_keep: torch.Tensor | None = None
 
 
 def _launches_kernels(backend, tensor):
@@ -108,8 +109,14 @@ def prepare_key_mask(valid_lens, seqlen, backend="torch", dtype=None):
     if uses_triton(backend) and use_registered_op():
         return KeyMask(valid_lens)      # the registered op takes valid_lens as it is
     mask, query_keep = key_mask(valid_lens, seqlen, seqlen, valid_lens.device)
+    if values_on_host(valid_lens) and bool(query_keep.all()):
+        # Every query sees a key (nearly always), read where that costs no sync: no query to
+        # zero, so no multiply in every layer's forward and backward.
+        query_keep = None
     if dtype is not None and dtype.is_floating_point:
         mask = torch.full(mask.shape, float("-inf"), dtype=dtype, device=mask.device).masked_fill_(mask, 0.0)
+        if query_keep is not None:      # q's dtype once, not a bool promotion per multiply
+            query_keep = query_keep.to(dtype)
     return KeyMask(valid_lens, sdpa_mask=mask, query_keep=query_keep)
 
 
@@ -127,7 +134,8 @@ def _sdpa(q, k, v, valid_lens, dropout_p):
             mask, query_keep = valid_lens.sdpa_mask, valid_lens.query_keep
         else:
             mask, query_keep = key_mask(_raw(valid_lens), q.shape[2], k.shape[2], q.device)
-        q = q * query_keep
+        if query_keep is not None:
+            q = q * query_keep
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
 
 

@@ -61,18 +61,9 @@ from ..extension import require_extension
 from ._autograd import (below_autograd, forbid_double_backward, once_differentiable, records_grad, thin_apply,
                         use_registered_op)
 from ._triton import (KERNEL_DTYPES, as_dtype, cdiv, compute_dtype, cpu_kernel, launch, next_power_of_2,
-                      nothing_to_launch, require_triton, tl, triton, uses_triton)
+                      nothing_to_launch, require_triton, tl, triton, uses_triton, values_on_host)
 
 INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-def _id_values_readable(*ids):
-    """Whether the ids' values can be read here without a device sync or a traced graph:
-    eager CPU tensors (FakeTensor, FunctionalTensor and other subclasses under torch.compile
-    are skipped; the compiled graph's own index checks apply there)."""
-    if torch.compiler.is_compiling():
-        return False
-    return all(t is None or (type(t) is torch.Tensor and t.is_cpu) for t in ids)
 
 
 def _check_id_range(name, ids, n_rows):
@@ -93,7 +84,7 @@ def _check_id_ranges(tokens, segments, positions, n_tokens, n_segments, max_len)
 
     Returns whether the ids were checked. They are not while torch.compile traces (a registered
     op's CPU implementation is traced too): the caller then guards its lookups and scatters."""
-    if not _id_values_readable(tokens, segments, positions):
+    if not values_on_host(tokens, segments, positions):
         return False
     _check_id_range("tokens", tokens, n_tokens)
     _check_id_range("segments", segments, n_segments)
