@@ -27,8 +27,8 @@ attention_mask, token_type_ids, position_ids, output_hidden_states, return_dict)
               autograd node in training, autocast included; bert_fast.modules.fused_layer, as
               FastEncoderBlock), where the layer's dropout rates are equal (HF's default) and
               its linears are plain nn.Linear with no hook on the two dense layers the per-op
-              path calls as modules. Otherwise (and on the torch backend, and with
-              skip_padding) per op: one QKV GEMM on the packed projection (W_q/W_k/W_v kept
+              path calls as modules (with skip_padding: where the varlen kernels run, see
+              ops.encoder_layer). Otherwise (and on the torch backend) per op: one QKV GEMM on the packed projection (W_q/W_k/W_v kept
               back to back, as FastMultiHeadAttention does), ops.packed_self_attention,
               ops.add_layernorm, ops.linear_act (GELU erf, GELU tanh or ReLU from the config),
               ops.add_layernorm. LayerNorm eps and dropout rates read from the modules.
@@ -290,12 +290,12 @@ class FastBertLayer(BertLayer):
         attention, intermediate, output = self.attention, self.intermediate, self.output
         attn, attn_out = attention.self, attention.output
         training = self.training
-        if (mask.unpadding is None and backend != "torch" and X.dim() == 3 and not torch.compiler.is_compiling()
+        if (backend != "torch" and X.dim() == (3 if mask.unpadding is None else 2) and not torch.compiler.is_compiling()
                 and not any(_GLOBAL_HOOKS) and not torch._C._get_tracing_state()
                 and _hookless(attn_out.dense) and _hookless(output.dense)):   # the modules called below
             p = attn.dropout.p if training else 0.0
             if not training or p == attn_out.dropout.p == output.dropout.p:
-                fused = fused_layer(X, mask.key_mask, backend, attn.num_attention_heads, float(p),
+                fused = fused_layer(X, mask.key_mask if mask.unpadding is None else mask.unpadding, backend, attn.num_attention_heads, float(p),
                                     _activation_of(intermediate.intermediate_act_fn),
                                     (attn.query, attn.key, attn.value, attn_out.dense, intermediate.dense,
                                      output.dense), (attn_out.LayerNorm, output.LayerNorm), self)

@@ -308,14 +308,13 @@ class FastEncoderBlock(nn.Module):
                 raise ValueError(f"X must have shape (batch, seq_len, num_hiddens), got {tuple(shape)}")
             check_valid_lens(valid_lens, shape[0], shape[1])
         sub = self._modules
-        if unpadding is None:
-            fused = self._fused_layer(X, valid_lens)
-            if fused is not None:
-                return fused
+        fused = self._fused_layer(X, valid_lens, unpadding)
+        if fused is not None:
+            return fused
         Y = sub["addnorm1"](X, sub["attention"](X, X, X, valid_lens, unpadding=unpadding))
         return sub["addnorm2"](Y, sub["ffn"](Y))
 
-    def _fused_layer(self, X, valid_lens):
+    def _fused_layer(self, X, valid_lens, unpadding=None):
         """The whole layer in one call (ops.encoder_layer: one autograd node when autograd
         records, else the launchers alone) where it applies: eager, triton/cuda backends, the
         block's own plain submodules; else None.
@@ -324,7 +323,7 @@ class FastEncoderBlock(nn.Module):
         four sublayers, W_o, dense2) takes the per-op path; W_q, W_k, W_v, dense1 and the
         LayerNorms are read by their Parameters on both paths. Runs once per layer and call:
         written for host time (no generators; ~0.4 us a Python call on the CI machine)."""
-        if torch.compiler.is_compiling() or X.dim() != 3:
+        if torch.compiler.is_compiling() or X.dim() != (3 if unpadding is None else 2):
             return None
         sub = self._modules
         attention, addnorm1, ffn, addnorm2 = sub["attention"], sub["addnorm1"], sub["ffn"], sub["addnorm2"]
@@ -343,7 +342,7 @@ class FastEncoderBlock(nn.Module):
         p = a["dropout"].p
         if not p == n1["dropout"].p == n2["dropout"].p:
             return None
-        key_mask = ops.prepare_key_mask(valid_lens, X.shape[1], backend, X.dtype)
+        key_mask = ops.prepare_key_mask(valid_lens, X.shape[1], backend, X.dtype) if unpadding is None else unpadding
         return fused_layer(X, key_mask, backend, attention.num_heads, float(p) if self.training else 0.0,
                            ffn.activation, (a["W_q"], a["W_k"], a["W_v"], w_o, f["dense1"], dense2),
                            (n1["ln"], n2["ln"]), attention)
@@ -352,6 +351,7 @@ class FastEncoderBlock(nn.Module):
 def fused_layer(X, key_mask, backend, num_heads, dropout_p, activation, linears, norms, packing_holder):
     """ops.encoder_layer for a post-norm layer given by its modules, or None where it does not
     apply (the caller's per-op path then runs): FastEncoderBlock's and bert_fast.hf's layers.
+    ``key_mask``: a KeyMask or None for X (B, L, H); skip_padding's ops.Unpadding for X (N, H).
 
     ``linears``: W_q, W_k, W_v, W_o, dense1, dense2, which must be plain nn.Linear (read by
     their Parameters: the caller checks the hooks its per-op path honours); ``norms``: the two
@@ -359,6 +359,8 @@ def fused_layer(X, key_mask, backend, num_heads, dropout_p, activation, linears,
     the QKV weights lie back to back, read in place. Under autocast for X's device the layer
     makes autocast's casts (LayerSpec.amp_dtype); autocast for another device only, or fp64
     (which autocast leaves alone), takes the per-op path."""
+    if not ops.encoder_layer_applies(X, key_mask, dropout_p):
+        return None
     w_q, w_k, w_v, w_o, dense1, dense2 = linears
     ln1, ln2 = norms
     linear, norm = nn.Linear, nn.LayerNorm

@@ -14,7 +14,8 @@ from torch.nn import functional as F
 from bert_fast import ops
 from bert_fast import reference as R
 from bert_fast.ops.attention import (_attention_bwd_triton, _attention_dropout_keep_cpu, _attention_dropout_keep_triton,
-                                     _attention_fwd_triton, _attention_tiles, _varlen_attention_bwd_triton,
+                                     _attention_fwd_triton, _attention_tiles, _varlen_attention_bwd_cpu,
+                                     _varlen_attention_bwd_triton, _varlen_attention_fwd_cpu,
                                      _varlen_attention_fwd_triton, attention_bwd, attention_fwd,
                                      varlen_attention_bwd, varlen_attention_fwd)
 from tests.helpers import DEVICE, FLOOR, assert_close, max_err, needs_cuda, needs_kernels, seed_tensor
@@ -186,6 +187,30 @@ def test_varlen_matches_padded():
     assert_close(out_v, ops.unpad(out, unpadding), atol=1e-6, what="varlen context")
     assert_close(lse_v, lse.transpose(1, 2).flatten(0, 1)[unpadding.indices].T, atol=1e-6, what="varlen lse")
     assert_close(dqkv_v, ops.unpad(dqkv, unpadding), atol=1e-6, what="varlen dqkv")
+
+
+@pytest.mark.parametrize("implementation", [pytest.param("kernel", marks=needs_kernels), "cpu twin"])
+def test_varlen_rows_of_no_sequence_are_zeros(implementation):
+    """A static unpadding (a CUDA graph's bucket) has filler rows past cu_seqlens[-1]: both
+    implementations leave their context, LSE and gradient zero, and the valid rows as without."""
+    device = DEVICE if implementation == "kernel" else "cpu"
+    fwd, bwd = ((_varlen_attention_fwd_triton, _varlen_attention_bwd_triton) if implementation == "kernel"
+                else (_varlen_attention_fwd_cpu, _varlen_attention_bwd_cpu))
+    p, seed, seqlen = 0.25, seed_tensor(5, device), 9
+    valid_lens = torch.tensor([4.0, 0.0, 6.5], device=device)
+    qkv = random_qkv(3, seqlen, 2, 8).to(device)
+    results = []
+    for num_tokens in (None, 20):
+        unpadding = ops.unpadding_for(valid_lens, seqlen, num_tokens)
+        packed = ops.unpad(qkv, unpadding)
+        out, lse = fwd(packed, unpadding.cu_seqlens, 2, seqlen, p, seed)
+        grad = torch.ones_like(out)
+        results.append((out, lse.T, bwd(grad, packed, out, lse, unpadding.cu_seqlens, 2, seqlen, p, seed)))
+    (out, lse, dqkv), (out_s, lse_s, dqkv_s) = results
+    assert out.shape[0] == 11 and out_s.shape[0] == 20
+    for name, counted, static in (("context", out, out_s), ("lse", lse, lse_s), ("dqkv", dqkv, dqkv_s)):
+        assert_close(static[:11], counted, atol=1e-6, what=f"valid rows' {name}")
+        assert torch.count_nonzero(static[11:]) == 0, f"filler rows' {name} must be zeros"
 
 
 # ----------------------------------------------------------------------------------------------

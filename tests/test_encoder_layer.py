@@ -35,23 +35,23 @@ def make_block(backend, dropout=0.0, use_bias=False, activation="relu", device="
     return block
 
 
-def run(block, x, valid_lens, grad_out, seed=0):
+def run(block, x, valid_lens, grad_out, seed=0, unpadding=None):
     """(output, {name: grad} of x and every Parameter) of one forward+backward."""
     block.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_()
     torch.manual_seed(seed)
-    out = block(x, valid_lens)
+    out = block(x, valid_lens, unpadding=unpadding)
     out.backward(grad_out)
     grads = {name: p.grad for name, p in block.named_parameters()}
     grads["x"] = x.grad
     return out.detach(), out.grad_fn, grads
 
 
-def fused_and_per_op(block, x, valid_lens, grad_out):
-    fused = run(block, x, valid_lens, grad_out)
+def fused_and_per_op(block, x, valid_lens, grad_out, unpadding=None):
+    fused = run(block, x, valid_lens, grad_out, unpadding=unpadding)
     handle = block.attention.register_forward_hook(lambda *args: None)
     try:
-        per_op = run(block, x, valid_lens, grad_out)
+        per_op = run(block, x, valid_lens, grad_out, unpadding=unpadding)
     finally:
         handle.remove()
     assert type(fused[1]).__name__ == "_EncoderLayerBackward", "the fused node was not used"
@@ -73,14 +73,15 @@ def counting_fused_calls(monkeypatch):
         yield calls
 
 
-def infer_fused_and_per_op(block, x, valid_lens, monkeypatch, grad_mode=torch.inference_mode, seed=0):
+def infer_fused_and_per_op(block, x, valid_lens, monkeypatch, grad_mode=torch.inference_mode, seed=0,
+                           unpadding=None):
     """The block's output without autograd, through the fused layer and through the per-op path."""
     outputs = []
     for hooked in (False, True):
         handle = block.attention.register_forward_hook(lambda *args: None) if hooked else None
         torch.manual_seed(seed)
         with counting_fused_calls(monkeypatch) as calls, grad_mode():
-            outputs.append(block(x, valid_lens))
+            outputs.append(block(x, valid_lens, unpadding=unpadding))
         if handle is not None:
             handle.remove()
         assert len(calls) == (0 if hooked else 1), f"hooked={hooked}: {len(calls)} fused calls"
@@ -104,6 +105,18 @@ def inputs(device="cpu", dtype=torch.float32):
     x = torch.randn(B, L, H, generator=g).to(device, dtype)
     grad_out = torch.randn(B, L, H, generator=g).to(device, dtype)
     return x, grad_out
+
+
+# skip_padding: the block on packed valid tokens (N, H) and their ops.Unpadding. "static": a
+# CUDA graph's form, num_tokens past the valid count (filler rows that belong to no sequence).
+PACKINGS = {"counted": None, "static": B * L}
+PACKED_VALID_LENS = {"empty-seq": torch.tensor([0.0, 6.5]), "full-seq": torch.tensor([4, L])}
+
+
+def packed_inputs(valid_lens, num_tokens, device="cpu", dtype=torch.float32):
+    x, grad_out = inputs(device, dtype)
+    unpadding = ops.unpadding_for(valid_lens.to(device), L, num_tokens)
+    return ops.unpad(x, unpadding), ops.unpad(grad_out, unpadding), unpadding
 
 
 @pytest.mark.parametrize("activation, use_bias", [("relu", False), ("relu", True), ("gelu", True),
@@ -236,6 +249,32 @@ def test_fused_layer_under_autocast_with_dropout_draws_the_per_op_masks(backend)
     assert_same(fused, per_op, atol=AMP_TOLERANCE[torch.bfloat16], rtol=AMP_TOLERANCE[torch.bfloat16])
 
 
+@pytest.mark.parametrize("packing", list(PACKINGS))
+@pytest.mark.parametrize("valid_lens", list(PACKED_VALID_LENS.values()), ids=list(PACKED_VALID_LENS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_layer_on_packed_tokens_with_dropout(backend, valid_lens, packing, monkeypatch):
+    """skip_padding with dropout on the CPU: the varlen kernels' CPU twin, in one node, with the
+    per-op path's masks; and the same without autograd (train mode, no_grad)."""
+    block = make_block(backend, dropout=0.3, use_bias=True, activation="gelu")
+    x, grad_out, unpadding = packed_inputs(valid_lens, PACKINGS[packing])
+    fused, per_op = fused_and_per_op(block, x, valid_lens, grad_out, unpadding)
+    assert fused[0].shape == x.shape
+    assert_same(fused, per_op, atol=1e-5)
+    fused, per_op = infer_fused_and_per_op(block, x, valid_lens, monkeypatch, grad_mode=torch.no_grad,
+                                           unpadding=unpadding)
+    assert_close(fused, per_op, atol=1e-5, rtol=0, what="output")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_tokens_without_dropout_take_the_per_op_path_on_the_cpu(backend, monkeypatch):
+    """There the per-op path's SDPA calls beat the varlen kernels' CPU twin (explicit math)."""
+    block = make_block(backend, use_bias=True)
+    x, grad_out, unpadding = packed_inputs(PACKED_VALID_LENS["empty-seq"], None)
+    with counting_fused_calls(monkeypatch) as calls:
+        out = block(x.requires_grad_(), PACKED_VALID_LENS["empty-seq"], unpadding=unpadding)
+    assert calls == [] and type(out.grad_fn).__name__ != "_EncoderLayerBackward"
+
+
 def test_output_is_not_a_view_and_can_be_edited_in_place():
     block = make_block("triton")
     x, _ = inputs()
@@ -284,6 +323,36 @@ def test_fused_inference_through_the_kernels(backend, valid_lens, monkeypatch):
         key_mask = ops.prepare_key_mask(valid_lens, L, backend)
         fused, per_op = infer_fused_and_per_op(block, x, key_mask, monkeypatch)
     assert_close(fused, per_op, atol=1e-5, rtol=0, what="output")
+
+
+@needs_kernels
+@pytest.mark.skipif(torch.cuda.is_available() or not interpreting(), reason="interpreter only; GPU test below")
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+@pytest.mark.parametrize("packing", list(PACKINGS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_layer_on_packed_tokens_through_the_kernels(backend, packing, dropout, monkeypatch):
+    block = make_block(backend, dropout=dropout, use_bias=True, activation="gelu" if dropout else "relu")
+    valid_lens = PACKED_VALID_LENS["empty-seq"]
+    x, grad_out, unpadding = packed_inputs(valid_lens, PACKINGS[packing])
+    with kernels_on_cpu():
+        fused, per_op = fused_and_per_op(block, x, valid_lens, grad_out, unpadding)
+        assert_same(fused, per_op, atol=1e-5)
+        inferred = infer_fused_and_per_op(block.eval(), x, valid_lens, monkeypatch, unpadding=unpadding)
+    assert_close(*inferred, atol=1e-5, rtol=0, what="inference output")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if BF16_OK else []), ids=str)
+@pytest.mark.parametrize("packing", list(PACKINGS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gpu_fused_layer_on_packed_tokens_matches_the_per_op_path(backend, packing, dtype, monkeypatch):
+    block = make_block(backend, dropout=0.1, use_bias=True, device="cuda", dtype=dtype)
+    valid_lens = PACKED_VALID_LENS["empty-seq"].cuda()
+    x, grad_out, unpadding = packed_inputs(valid_lens, PACKINGS[packing], "cuda", dtype)
+    tolerance = dict(atol=1e-4, rtol=0) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    assert_same(*fused_and_per_op(block, x, valid_lens, grad_out, unpadding), **tolerance)
+    inferred = infer_fused_and_per_op(block.eval(), x, valid_lens, monkeypatch, unpadding=unpadding)
+    assert_close(*inferred, **tolerance, what="inference output")
 
 
 @needs_cuda

@@ -398,20 +398,24 @@ def test_training_layers_run_fused_with_hf_gradients(backend, act, amp):
             assert_close(q.grad, p.grad, tol, rtol=tol, what=f"grad {name}")
 
 
+@pytest.mark.parametrize("skip_padding", [False, True])
 @pytest.mark.parametrize("backend", FUSED_BACKENDS)
-def test_fused_layers_with_dropout_draw_the_per_op_masks(backend):
+def test_fused_layers_with_dropout_draw_the_per_op_masks(backend, skip_padding):
     """HF's dropout rates (0.1): the fused layers draw the per-op path's seeds in its order, so a
-    hook on a dense layer (which sends that layer one op at a time) changes nothing."""
-    _, fast = hf_pair(config(dropout=0.1), backend=backend)
+    hook on a dense layer (which sends that layer one op at a time) changes nothing. With
+    skip_padding the layers run on packed tokens (on the CPU with dropout: the varlen kernels'
+    twin)."""
+    _, fast = hf_pair(config(dropout=0.1), backend=backend, skip_padding=skip_padding)
     fast.train()
     ids, types = inputs(2, 9)
+    mask = make_mask("prefix", 2, 9) if skip_padding else None
     results = []
     for hooked in (False, True):
         handles = [layer.output.dense.register_forward_hook(lambda *args: None)
                    for layer in fast.encoder.layer] if hooked else []
         fast.zero_grad(set_to_none=True)
         torch.manual_seed(3)
-        out = fast(ids, None, types).last_hidden_state
+        out = fast(ids, mask, types).last_hidden_state
         out.square().mean().backward()
         nodes = _layer_nodes(out)
         assert ("_EncoderLayerBackward" in nodes) != hooked, nodes
@@ -426,9 +430,12 @@ def test_fused_layers_with_dropout_draw_the_per_op_masks(backend):
 
 @needs_kernels
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels run for real")
+@pytest.mark.parametrize("skip_padding", [False, True])
 @pytest.mark.parametrize("backend", FUSED_BACKENDS)
-def test_fused_layers_through_the_kernels(backend):
-    ref, fast = hf_pair(config(hidden=32, heads=2), cls=BertForSequenceClassification, backend=backend)
+def test_fused_layers_through_the_kernels(backend, skip_padding):
+    """The loss reads the first token's state, valid in a prefix mask: skip_padding gives HF's."""
+    ref, fast = hf_pair(config(hidden=32, heads=2), cls=BertForSequenceClassification, backend=backend,
+                        skip_padding=skip_padding)
     ref.train(), fast.train()
     ids, types = inputs(2, 7)
     mask = make_mask("prefix", 2, 7)

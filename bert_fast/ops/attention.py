@@ -776,15 +776,26 @@ def _attention_bwd_cpu(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p
 
 
 def _padded_rows_cpu(cu_seqlens, num_tokens, max_seqlen):
-    """Row of each packed token in the (B * max_seqlen) padded layout, without a host sync."""
+    """Row of each packed token in the (B * max_seqlen) padded layout, without a host sync. A
+    token of no sequence (past cu_seqlens[-1]: a static unpadding's filler) gets row
+    B * max_seqlen, one past the layout: it is dropped going in and reads zeros coming out, as
+    the kernels leave such rows unwritten."""
     tokens = torch.arange(num_tokens, dtype=torch.int32, device=cu_seqlens.device)
     sequence = torch.searchsorted(cu_seqlens[1:], tokens, right=True)
-    return sequence * max_seqlen + (tokens - cu_seqlens[sequence])
+    slots = (cu_seqlens.shape[0] - 1) * max_seqlen
+    return torch.where(sequence < cu_seqlens.shape[0] - 1, sequence * max_seqlen + (tokens - cu_seqlens[sequence]),
+                       slots)
 
 
 def _padded_cpu(x, rows, batch, max_seqlen):
-    padded = x.new_zeros(batch * max_seqlen, x.shape[-1]).index_copy(0, rows, x)
-    return padded.unflatten(0, (batch, max_seqlen))
+    """Packed rows -> (B, max_seqlen, .) with zeros elsewhere (filler rows dropped)."""
+    padded = x.new_zeros(batch * max_seqlen + 1, x.shape[-1]).index_copy(0, rows, x)
+    return padded[:-1].unflatten(0, (batch, max_seqlen))
+
+
+def _packed_cpu(padded, rows):
+    """(B * max_seqlen, .) -> the packed rows, zeros for filler rows."""
+    return F.pad(padded, (0, 0, 0, 1))[rows]
 
 
 def _varlen_attention_fwd_cpu(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed):
@@ -794,7 +805,8 @@ def _varlen_attention_fwd_cpu(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p,
     rows = _padded_rows_cpu(cu_seqlens, qkv.shape[0], max_seqlen)
     out, lse = _attention_fwd_cpu(_padded_cpu(qkv, rows, batch, max_seqlen), cu_seqlens.diff(),
                                   num_heads, dropout_p, seed)
-    return out.flatten(0, 1)[rows], lse.transpose(0, 1).flatten(1)[:, rows]
+    lse = F.pad(lse.transpose(0, 1).flatten(1), (0, 1))[:, rows]        # (heads, N)
+    return _packed_cpu(out.flatten(0, 1), rows), lse
 
 
 def _varlen_attention_bwd_cpu(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed):
@@ -806,7 +818,7 @@ def _varlen_attention_bwd_cpu(grad_out, qkv, out, lse, cu_seqlens, num_heads, ma
     padded_out, padded_lse = _attention_fwd_cpu(padded_qkv, cu_seqlens.diff(), num_heads, dropout_p, seed)
     dqkv = _attention_bwd_cpu(_padded_cpu(grad_out, rows, batch, max_seqlen), padded_qkv, padded_out,
                               padded_lse, cu_seqlens.diff(), num_heads, dropout_p, seed)
-    return dqkv.flatten(0, 1)[rows]
+    return _packed_cpu(dqkv.flatten(0, 1), rows)
 
 
 # ----------------------------------------------------------------------------------------------

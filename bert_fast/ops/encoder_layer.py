@@ -25,9 +25,10 @@ Without autograd (inference) the same forward runs with nothing saved: the per-o
 work between the launches (four submodule calls, each op's backend and autograd decisions, the
 packed QKV lookup) is paid once per layer instead of once per op.
 
-Where it applies (FastEncoderBlock._fused_layer): eager, backends triton and cuda, padded
-self-attention (skip_padding keeps the per-op path), no functorch transform, and
-the block's submodules the plain fast ones without hooks. torch.compile traces the per-op
+Where it applies (modules.fused_layer): eager, backends triton and cuda, no functorch
+transform, and the block's submodules the plain fast ones without hooks; padded self-attention
+(x (B, L, H), a KeyMask or None), or skip_padding's packed valid tokens (x (N, H), the
+Unpadding: the varlen kernels) where those kernels run (``applies``). torch.compile traces the per-op
 registered ops instead (Inductor fuses across them itself). Attention: the Triton kernels on
 CUDA (and on the CPU with dropout, their twin); on the CPU without dropout PyTorch's fused CPU
 attention (``_scaled_dot_product_flash_attention_for_cpu`` and its backward: what SDPA runs).
@@ -39,11 +40,13 @@ import torch
 from torch.nn import functional as F
 
 from .add_layernorm import _add_layernorm_bwd, _add_layernorm_fwd, _ext_bwd, _ext_fwd
-from .attention import _attention_bwd, _attention_fwd, _runs_kernel, key_mask as _key_mask
+from .attention import (_attention_bwd, _attention_fwd, _runs_kernel, _varlen_attention_bwd, _varlen_attention_fwd,
+                        key_mask as _key_mask)
 from .bias_act import _bias_act_bwd, _bias_act_fwd
 from ._autograd import once_differentiable, records_grad, thin_apply
 from ._triton import as_dtype
 from ._philox import dropout_seed
+from .padding import Unpadding
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -87,8 +90,18 @@ def _uses_kernels(qkv, dropout_p):
     return _runs_kernel(qkv, dropout_p)
 
 
+def applies(x, key_mask, dropout_p):
+    """Whether encoder_layer runs the layer as fast as the per-op path would: always for padded
+    attention; for packed valid tokens (skip_padding) where the varlen kernel runs (not on the
+    CPU without dropout, where the per-op path's SDPA calls beat the kernel's CPU twin)."""
+    return not isinstance(key_mask, Unpadding) or _uses_kernels(x, dropout_p)
+
+
 def _attention_forward(qkv, key_mask, num_heads, dropout_p, seed):
-    """(context (B, L, H), what the backward needs)."""
+    """(context (B, L, H) or, for packed valid tokens, (N, H); what the backward needs)."""
+    if isinstance(key_mask, Unpadding):
+        out, lse = _varlen_attention_fwd(qkv, key_mask.cu_seqlens, num_heads, key_mask.seqlen, dropout_p, seed)
+        return out, (out, lse)
     if _uses_kernels(qkv, dropout_p):
         valid_lens = None if key_mask is None else key_mask.valid_lens
         counts = None if key_mask is None else key_mask.counts
@@ -102,8 +115,11 @@ def _attention_forward(qkv, key_mask, num_heads, dropout_p, seed):
 
 
 def _attention_backward(grad, qkv, key_mask, num_heads, dropout_p, seed, saved):
-    """d_qkv (B, L, 3H)."""
+    """d_qkv, qkv's shape."""
     out, lse = saved
+    if isinstance(key_mask, Unpadding):
+        return _varlen_attention_bwd(grad, qkv, out, lse, key_mask.cu_seqlens, num_heads, key_mask.seqlen,
+                                     dropout_p, seed)
     if _uses_kernels(qkv, dropout_p):
         valid_lens = None if key_mask is None else key_mask.valid_lens
         counts = None if key_mask is None else key_mask.counts
@@ -139,7 +155,7 @@ def _layernorm_backward(spec, has_x_bias, grad, x, residual, weight, mean, rstd,
 
 
 def _layer_forward(spec, key_mask, packed, x, params, ctx=None):
-    """The layer's output for x (B, L, H); with ``ctx`` (_EncoderLayer's forward) it also keeps
+    """The layer's output for x (B, L, H), or (N, H) packed tokens; with ``ctx`` (_EncoderLayer's forward) it also keeps
     what the backward needs. Without, nothing is kept: inference frees each intermediate as
     the per-op path does."""
     (w_q, w_k, w_v, b_q, b_k, b_v, w_o, b_o, ln1_w, ln1_b, w_1, b_1, w_2, b_2, ln2_w, ln2_b) = params
@@ -234,14 +250,14 @@ class _EncoderLayer(torch.autograd.Function):
             spec, has_b_o and needs[11], d_y, projected, rows, ln1_w, mean1, rstd1, seeds[1], has_ln1_b)
         d_projected = as_dtype(d_projected, gemm_dtype)
         d_w_o = d_projected.t().mm(context) if needs[10] else None
-        d_context = d_projected.mm(w_o).view(qkv.shape[0], qkv.shape[1], hidden)
+        d_context = d_projected.mm(w_o).view(x_norm.shape)
         d_qkv = _attention_backward(d_context, qkv, key_mask, spec.num_heads, p, seeds[0],
                                     attention_saved).reshape(-1, 3 * hidden)
         d_w_qkv = (as_dtype(d_qkv.t().mm(rows_gemm), ctx.qkv_dtype).split(hidden) if any(needs[4:7])
                    else (None,) * 3)
         d_b_qkv = (as_dtype(d_qkv.sum(0), ctx.qkv_dtype).split(hidden) if has_b_qkv and any(needs[7:10])
                    else (None,) * 3)
-        d_x = _add_product(d_res, d_qkv, w_qkv).view(qkv.shape[0], qkv.shape[1], hidden) if needs[3] else None
+        d_x = _add_product(d_res, d_qkv, w_qkv).view(x_norm.shape) if needs[3] else None
         return (None, None, None, d_x, *d_w_qkv, *d_b_qkv, d_w_o, d_b_o,
                 d_ln1_w if needs[12] else None, d_ln1_b if has_ln1_b and needs[13] else None,
                 d_w1, d_b1, d_w2, d_b2,
@@ -257,7 +273,8 @@ def _add_product(c, a, b):
 
 
 def encoder_layer(spec, x, key_mask, params, packed=(None, None)):
-    """The layer's output for x (B, L, H). ``params``: W_q, W_k, W_v, b_q, b_k, b_v, W_o, b_o,
+    """The layer's output for x: (B, L, H) with ``key_mask`` a KeyMask or None, or skip_padding's
+    (N, H) packed valid tokens with ``key_mask`` their ops.Unpadding. ``params``: W_q, W_k, W_v, b_q, b_k, b_v, W_o, b_o,
     LN1 weight and bias, W_1, b_1, W_2, b_2, LN2 weight and bias (biases may be None).
     ``packed``: the QKV weight and bias as views of the Parameters' memory where they lie back
     to back (else None: concatenated here). One autograd node where autograd records, else
