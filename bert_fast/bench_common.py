@@ -498,7 +498,8 @@ def host_record_markdown(record):
         f"{record['date']}: torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, extension "
         f"{env['extension']}. {config['num_layers']} layers, H {config['num_hiddens']}, "
         f"{config['num_heads']} heads, FFN {config['ffn_num_hiddens']}, B {config['batch']}, "
-        f"L {config['seq']}, dropout {config['dropout']}, check_inputs {config['check_inputs']}; "
+        f"L {config['seq']}, dropout {config['dropout']}, check_inputs {config['check_inputs']}"
+        f"{', skip_padding' if config.get('skip_padding') else ''}; "
         f"{config['rounds']} interleaved rounds of {config['calls_per_round']} calls.\n"
         f"Command: `{' '.join(record['command'])}`")
     parts = [caption]

@@ -69,15 +69,17 @@ def encoder_config(num_layers, num_hiddens, num_heads, ffn_num_hiddens, seq, dro
                 query_size=num_hiddens, value_size=num_hiddens)
 
 
-def build_models(config, backends, device, check_inputs=True, seed=0, gpu_path=False):
-    """{name: module}: the reference and a FastBERTEncoder per backend, on the reference's
-    weights; with ``gpu_path`` one more triton one, for the GPU_PATH row (see gpu_launch_path)."""
+def build_models(config, backends, device, check_inputs=True, seed=0, gpu_path=False, skip_padding=False):
+    """{name: module}: the reference and a FastBERTEncoder per backend (``skip_padding`` as
+    given), on the reference's weights; with ``gpu_path`` one more triton one, for the GPU_PATH
+    row (see gpu_launch_path)."""
     torch.manual_seed(seed)
     reference = BERTEncoder(**config).to(device)
     models = {BASELINE: reference}
     names = [(f"fast[{backend}]", backend) for backend in backends] + ([(GPU_PATH, "triton")] if gpu_path else [])
     for name, backend in names:
-        models[name] = FastBERTEncoder(**config, backend=backend, check_inputs=check_inputs).to(device)
+        models[name] = FastBERTEncoder(**config, backend=backend, check_inputs=check_inputs,
+                                       skip_padding=skip_padding).to(device)
         models[name].load_state_dict(reference.state_dict())
     return models
 
@@ -266,7 +268,7 @@ def run(options, progress):
     config = encoder_config(options.layers, options.hidden, options.heads, options.ffn, options.seq,
                             options.dropout)
     models = build_models(config, options.backends, device, check_inputs=options.check_inputs,
-                          gpu_path=options.gpu_path)
+                          gpu_path=options.gpu_path, skip_padding=options.skip_padding)
     inputs = tuple(make_inputs(options.batch, options.seq, 0.5, VOCAB_SIZE, options.seed, device))
     rows = []
     for mode in options.modes:
@@ -294,6 +296,7 @@ def make_record(rows, options, argv):
         config=dict(num_layers=options.layers, num_hiddens=options.hidden, num_heads=options.heads,
                     ffn_num_hiddens=options.ffn, vocab_size=VOCAB_SIZE, batch=options.batch,
                     seq=options.seq, dropout=options.dropout, check_inputs=options.check_inputs,
+                    skip_padding=options.skip_padding,
                     rounds=options.rounds, calls_per_round=options.calls, warmup_rounds=options.warmup,
                     seed=options.seed, timing=TIMING),
         rows=rows)
@@ -343,6 +346,9 @@ def build_parser():
                         help=f"the row '{GPU_PATH}': the triton backend's GPU eager path on CPU tensors, "
                              "Triton's kernel launches counted instead of run (default: on where the device "
                              "is the CPU and Triton is installed)")
+    parser.add_argument("--skip-padding", action="store_true",
+                        help="FastBERTEncoder's skip_padding for every fast row (the reference computes "
+                             "every token; default: off)")
     parser.add_argument("--check-inputs", action=argparse.BooleanOptionalAction, default=True,
                         help="FastBERTEncoder's check_inputs (default: on, as constructed by users)")
     parser.add_argument("--rounds", type=int, metavar="N", default=15,

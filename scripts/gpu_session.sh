@@ -5,10 +5,11 @@
 #
 #   bash scripts/gpu_session.sh install tests          # call 1: build with CUDA, every test (~10 min)
 #   bash scripts/gpu_session.sh sanitize kernels host  # call 2: compute-sanitizer, per-kernel and host numbers
-#   bash scripts/gpu_session.sh suite-base             # call 3: the matrix, BERT-base bf16 ...
+#   bash scripts/gpu_session.sh suite-base host-skip-padding   # call 3: the matrix, BERT-base bf16 ...
 #   bash scripts/gpu_session.sh suite-base-fp16 suite-large suite-train
 #
-# Logs and records go to $OUT (the device tool brings that folder back), else benchmarks/results.
+# Logs and records go to $OUT (the device tool brings that folder back, 8 files a call: each
+# step writes a log and at most one record or report), else benchmarks/results.
 # A step that fails is reported and the next one runs; the exit status is the number of failures.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -73,6 +74,10 @@ for step in "$@"; do
     host)
         # Host time of a forward and forward+backward at negligible arithmetic, kernel launches per layer.
         run host python -m bert_fast.bench --suite host --json "$results/$stamp-host.json" ;;
+    host-skip-padding)
+        # The same with skip_padding (its own step: the device tool brings back 8 files a call).
+        run host-skip-padding python -m bert_fast.bench --suite host --skip-padding \
+            --json "$results/$stamp-host-skip-padding.json" ;;
     suite-base) suite suite-base --preset base --dtype bfloat16 --shapes dense long mixed latency ;;
     suite-base-fp16) suite suite-base-fp16 --preset base --dtype float16 --shapes dense long mixed latency ;;
     suite-large) suite suite-large --preset large --dtype bfloat16 --shapes dense long mixed latency --no-autotune ;;
@@ -83,7 +88,7 @@ for step in "$@"; do
             --matrix-preset base --matrix-dtype bfloat16 -k "not max_autotune" \
             --matrix-record "$results/$stamp-matrix.json" --benchmark-json "$results/$stamp-matrix-benchmark.json" ;;
     *)
-        echo "unknown step '$step' (install tests sanitize kernels host suite-base suite-base-fp16 suite-large" \
+        echo "unknown step '$step' (install tests sanitize kernels host host-skip-padding suite-base suite-base-fp16 suite-large" \
              "suite-train matrix)" >&2
         failures=$((failures + 1)) ;;
     esac

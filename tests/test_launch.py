@@ -221,16 +221,27 @@ def test_eager_launches_are_the_ones_tritons_launcher_makes(tmp_path):
     assert tally["first"] < tally["launches"] / 2, tally       # most launches came from the cache
 
 
-def test_host_benchmark_times_the_gpu_path(capsys):
+@pytest.mark.parametrize("skip_padding", [False, True])
+def test_host_benchmark_times_the_gpu_path(capsys, skip_padding, monkeypatch):
+    built, build = [], host_bench.build_models
+
+    def build_models(*args, **kwargs):
+        built.append(build(*args, **kwargs))
+        return built[-1]
+    monkeypatch.setattr(host_bench, "build_models", build_models)
     record = host_bench.main(["--suite", "host", "--layers", "2", "--rounds", "1", "--calls", "2",
-                              "--warmup", "0", "--backends", "torch", "--no-record"], record_argv=["test"])
+                              "--warmup", "0", "--backends", "torch", "--no-record"]
+                             + (["--skip-padding"] if skip_padding else []), record_argv=["test"])
+    assert record["config"]["skip_padding"] == skip_padding
+    assert [model.skip_padding for name, model in built[0].items() if name != "reference"] == [skip_padding] * 2
     rows = {(row["mode"], row["method"]): row for row in record["rows"]}
     for mode in host_bench.MODES:
         gpu_path = rows[(mode, host_bench.GPU_PATH)]
         assert gpu_path["median_us"] > 0 and gpu_path["aten_ops_per_layer"] > 0
         assert gpu_path["launches_per_layer"] >= 1.5, gpu_path   # attention + 2 add-layernorms, embedding
         assert rows[(mode, "fast[torch]")]["launches_per_layer"] is None      # no launches on the CPU
-    assert host_bench.GPU_PATH in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert host_bench.GPU_PATH in out and ("check_inputs True, skip_padding;" in out) == skip_padding
 
 
 def test_host_cdiv_and_next_power_of_2_are_tritons():
