@@ -270,7 +270,11 @@ class FastBertLayer(BertLayer):
         params = weights + biases
         training = torch.is_grad_enabled() and any(p.requires_grad for p in params)
         if not training and not torch.compiler.is_compiling() and len(biases) in (0, 3):
-            packing = _QKVPacking.of(params)
+            packing = self._qkv_packing      # pack_qkv_'s views, while they hold these Parameters
+            if packing is None or not packing.holds(params):
+                packing = _QKVPacking.of(params)
+                if packing is not None:
+                    self._qkv_packing = packing
             if packing is not None:
                 return F.linear(X, packing.weight, packing.bias)
         weight = torch.cat(weights)

@@ -702,3 +702,24 @@ def test_gpu_cuda_graphs_match_eager(backend, mask_name, skip_padding, dtype):
         else:
             assert_close(got, want, 2 * max_err(peer, want) + 5e-2, what="graphed bf16 vs fp32 HF")
     assert cuda_graph_stats(graphed)["replays"] == 3     # (skip_padding: a token-count bucket may be new)
+
+
+def test_per_op_inference_reads_the_packed_qkv_in_place(monkeypatch):
+    """The per-op path (torch backend) without autograd: Q/K/V's weights read as pack_qkv_ left
+    them, one view kept per layer, no concatenation per call; a replaced Parameter is read anew."""
+    ref, fast = hf_pair(config(), backend="torch")
+    ids, types = inputs(2, 7)
+    layer = fast.encoder.layer[0]
+    packing = layer._qkv_packing
+    made = []
+    of = hf._QKVPacking.of
+    monkeypatch.setattr(hf._QKVPacking, "of", classmethod(lambda cls, params: made.append(1) or of(params)))
+    with torch.inference_mode():
+        out = fast(ids, None, types).last_hidden_state
+    assert made == [] and layer._qkv_packing is packing, "the kept packing was not reused"
+    assert_close(out, ref(ids, None, types).last_hidden_state, ATOL)
+    query = layer.attention.self.query
+    query.weight = torch.nn.Parameter(torch.randn_like(query.weight))      # no longer packed: concatenated
+    with torch.inference_mode():
+        doubled = fast(ids, None, types).last_hidden_state
+    assert len(made) == 1 and (doubled - out).abs().max() > 1e-3
