@@ -213,6 +213,33 @@ def test_varlen_rows_of_no_sequence_are_zeros(implementation):
         assert torch.count_nonzero(static[11:]) == 0, f"filler rows' {name} must be zeros"
 
 
+@needs_kernels
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_varlen_without_filler_writes_every_row(dropout_p, monkeypatch):
+    """filler=False (an unpadding with host counts: no rows outside the sequences) allocates
+    without zero-filling: the kernels must write every row. Fresh tensors are NaN-filled here
+    to see one that is not."""
+    seqlen, valid_lens = 13, torch.tensor([5.0, 0.0, 13.0], device=DEVICE)
+    unpadding = ops.unpadding_for(valid_lens, seqlen)
+    packed = ops.unpad(random_qkv(3, seqlen, 2, 16), unpadding)
+    seed = seed_tensor(3, DEVICE)
+    args = (unpadding.cu_seqlens, 2, seqlen, dropout_p, seed)
+    out, lse = _varlen_attention_fwd_triton(packed, *args)
+    grad = torch.randn_like(out)
+    dqkv = _varlen_attention_bwd_triton(grad, packed, out, lse, *args)
+    empty = torch.empty
+
+    def poisoned(*shape, **kwargs):
+        t = empty(*shape, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else -7)
+    monkeypatch.setattr(torch, "empty", poisoned)
+    out_e, lse_e = _varlen_attention_fwd_triton(packed, *args, filler=False)
+    dqkv_e = _varlen_attention_bwd_triton(grad, packed, out_e, lse_e, *args, filler=False)
+    monkeypatch.undo()
+    for name, got, want in (("context", out_e, out), ("lse", lse_e, lse), ("dqkv", dqkv_e, dqkv)):
+        assert torch.equal(got, want), f"{name}: {torch.isnan(got).sum()} rows' values not written"
+
+
 # ----------------------------------------------------------------------------------------------
 # Dropout
 # ----------------------------------------------------------------------------------------------

@@ -671,28 +671,32 @@ def _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, num_heads, dropou
     return dqkv
 
 
-def _varlen_attention_fwd_triton(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed):
+def _varlen_attention_fwd_triton(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed, filler=True):
     """(N, 3H) packed valid tokens -> context (N, H) and fp64 LSE (heads, N).
 
-    ``max_seqlen`` must be >= every sequence's length (the padded L); ``cu_seqlens[-1] == N``.
+    ``max_seqlen`` must be >= every sequence's length (the padded L); ``cu_seqlens[-1] <= N``.
+    Rows past ``cu_seqlens[-1]`` (a static unpadding's filler) belong to no sequence and are
+    zeros. ``filler=False`` says there are none (``cu_seqlens[-1] == N``, an unpadding with host
+    counts): then every row is written and nothing is zero-filled first (two fills fewer).
     """
     head_dim = _check_varlen_inputs(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
     require_triton(qkv, cu_seqlens)
     num_tokens = qkv.shape[0]
-    # Zeros: rows that belong to no sequence are never written.
-    out = qkv.new_zeros(num_tokens, num_heads * head_dim)
-    lse = torch.zeros(num_heads, num_tokens, dtype=torch.float64, device=qkv.device)
+    new = torch.zeros if filler else torch.empty     # the kernel never writes rows of no sequence
+    out = new(num_tokens, num_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
+    lse = new(num_heads, num_tokens, dtype=torch.float64, device=qkv.device)
     _launch_fwd(qkv, out, lse, None, cu_seqlens.contiguous(), cu_seqlens.shape[0] - 1, num_heads, head_dim,
                 max_seqlen, dropout_p, seed)
     return out, lse
 
 
-def _varlen_attention_bwd_triton(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed):
-    """Gradient of the packed valid tokens' projection, (N, 3H)."""
+def _varlen_attention_bwd_triton(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed,
+                                 filler=True):
+    """Gradient of the packed valid tokens' projection, (N, 3H); ``filler`` as for the forward."""
     head_dim = _check_varlen_inputs(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
     _check_bwd_inputs(grad_out, out, lse, qkv, num_heads, head_dim, (num_heads, qkv.shape[0]))
     require_triton(grad_out, qkv, out, lse, cu_seqlens)
-    dqkv = torch.zeros(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+    dqkv = (torch.zeros if filler else torch.empty)(qkv.shape, dtype=qkv.dtype, device=qkv.device)
     _launch_bwd(grad_out, qkv, out, lse, dqkv, None, cu_seqlens.contiguous(), cu_seqlens.shape[0] - 1, num_heads,
                 head_dim, max_seqlen, dropout_p, seed)
     return dqkv
@@ -838,16 +842,18 @@ def _attention_bwd(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, se
     return _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed, counts)
 
 
-def _varlen_attention_fwd(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed):
+def _varlen_attention_fwd(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed, filler=True):
+    """``filler``: see _varlen_attention_fwd_triton (the CPU twin zeroes filler rows either way)."""
     if cpu_kernel(qkv):
         return _varlen_attention_fwd_cpu(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
-    return _varlen_attention_fwd_triton(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
+    return _varlen_attention_fwd_triton(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed, filler)
 
 
-def _varlen_attention_bwd(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed):
+def _varlen_attention_bwd(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed, filler=True):
     if cpu_kernel(qkv):
         return _varlen_attention_bwd_cpu(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
-    return _varlen_attention_bwd_triton(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
+    return _varlen_attention_bwd_triton(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed,
+                                        filler)
 
 
 @triton_op("bert_fast::attention_fwd", mutates_args=())
@@ -916,16 +922,16 @@ forbid_double_backward("bert_fast::varlen_attention_bwd", "attention (skip_paddi
 class _Attention(torch.autograd.Function):
     """The eager attention under autograd: the launchers, no custom-op dispatch. ``lengths``
     is valid_lens (padded form, with its visible-key ``counts`` when made already) or
-    cu_seqlens (varlen form, ``max_seqlen`` set)."""
+    cu_seqlens (varlen form, ``max_seqlen`` set; ``filler`` as for _varlen_attention_fwd)."""
 
     @staticmethod
-    def forward(ctx, qkv, lengths, counts, num_heads, max_seqlen, dropout_p, seed):
+    def forward(ctx, qkv, lengths, counts, num_heads, max_seqlen, dropout_p, seed, filler=True):
         if max_seqlen is None:
             out, lse = _attention_fwd(qkv, lengths, num_heads, dropout_p, seed, counts)
         else:
-            out, lse = _varlen_attention_fwd(qkv, lengths, num_heads, max_seqlen, dropout_p, seed)
+            out, lse = _varlen_attention_fwd(qkv, lengths, num_heads, max_seqlen, dropout_p, seed, filler)
         ctx.save_for_backward(qkv, lengths, counts, out, lse, seed)
-        ctx.num_heads, ctx.max_seqlen, ctx.dropout_p = num_heads, max_seqlen, dropout_p
+        ctx.num_heads, ctx.max_seqlen, ctx.dropout_p, ctx.filler = num_heads, max_seqlen, dropout_p, filler
         return out
 
     @staticmethod
@@ -936,8 +942,8 @@ class _Attention(torch.autograd.Function):
             dqkv = _attention_bwd(grad_out, qkv, out, lse, lengths, ctx.num_heads, ctx.dropout_p, seed, counts)
         else:
             dqkv = _varlen_attention_bwd(grad_out, qkv, out, lse, lengths, ctx.num_heads, ctx.max_seqlen,
-                                         ctx.dropout_p, seed)
-        return dqkv, None, None, None, None, None, None
+                                         ctx.dropout_p, seed, ctx.filler)
+        return dqkv, None, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -998,8 +1004,8 @@ def unpadded_self_attention(qkv, num_heads, unpadding, valid_lens, dropout_p=0.0
         if _runs_kernel(qkv, dropout_p):
             if records_grad(qkv):
                 return thin_apply(_Attention, qkv, unpadding.cu_seqlens, None, num_heads, unpadding.seqlen,
-                                        dropout_p, seed)
-            return _varlen_attention_fwd(*args)[0]
+                                  dropout_p, seed, unpadding.static)
+            return _varlen_attention_fwd(*args, filler=unpadding.static)[0]
     hidden = qkv.shape[-1] // 3
     if per_sequence is None:
         per_sequence = qkv.device.type == "cpu" and not unpadding.static

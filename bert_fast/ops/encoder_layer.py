@@ -100,7 +100,8 @@ def applies(x, key_mask, dropout_p):
 def _attention_forward(qkv, key_mask, num_heads, dropout_p, seed):
     """(context (B, L, H) or, for packed valid tokens, (N, H); what the backward needs)."""
     if isinstance(key_mask, Unpadding):
-        out, lse = _varlen_attention_fwd(qkv, key_mask.cu_seqlens, num_heads, key_mask.seqlen, dropout_p, seed)
+        out, lse = _varlen_attention_fwd(qkv, key_mask.cu_seqlens, num_heads, key_mask.seqlen, dropout_p, seed,
+                                         key_mask.static)
         return out, (out, lse)
     if _uses_kernels(qkv, dropout_p):
         valid_lens = None if key_mask is None else key_mask.valid_lens
@@ -119,7 +120,7 @@ def _attention_backward(grad, qkv, key_mask, num_heads, dropout_p, seed, saved):
     out, lse = saved
     if isinstance(key_mask, Unpadding):
         return _varlen_attention_bwd(grad, qkv, out, lse, key_mask.cu_seqlens, num_heads, key_mask.seqlen,
-                                     dropout_p, seed)
+                                     dropout_p, seed, key_mask.static)
     if _uses_kernels(qkv, dropout_p):
         valid_lens = None if key_mask is None else key_mask.valid_lens
         counts = None if key_mask is None else key_mask.counts
