@@ -27,8 +27,8 @@ attention_mask, token_type_ids, position_ids, output_hidden_states, return_dict)
               autograd node in training, autocast included; bert_fast.modules.fused_layer, as
               FastEncoderBlock), where the layer's dropout rates are equal (HF's default) and
               its linears are plain nn.Linear with no hook on the two dense layers the per-op
-              path calls as modules (with skip_padding: where the varlen kernels run, see
-              ops.encoder_layer). Otherwise (and on the torch backend) per op: one QKV GEMM on the packed projection (W_q/W_k/W_v kept
+              path calls as modules, skip_padding's packed tokens included. Otherwise (and
+              on the torch backend) per op: one QKV GEMM on the packed projection (W_q/W_k/W_v kept
               back to back, as FastMultiHeadAttention does), ops.packed_self_attention,
               ops.add_layernorm, ops.linear_act (GELU erf, GELU tanh or ReLU from the config),
               ops.add_layernorm. LayerNorm eps and dropout rates read from the modules.

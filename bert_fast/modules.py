@@ -359,8 +359,6 @@ def fused_layer(X, key_mask, backend, num_heads, dropout_p, activation, linears,
     the QKV weights lie back to back, read in place. Under autocast for X's device the layer
     makes autocast's casts (LayerSpec.amp_dtype); autocast for another device only, or fp64
     (which autocast leaves alone), takes the per-op path."""
-    if not ops.encoder_layer_applies(X, key_mask, dropout_p):
-        return None
     w_q, w_k, w_v, w_o, dense1, dense2 = linears
     ln1, ln2 = norms
     linear, norm = nn.Linear, nn.LayerNorm

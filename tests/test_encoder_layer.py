@@ -9,6 +9,7 @@ launchers in the interpreter (the GPU's path); on a GPU the same comparison in f
 """
 
 import contextlib
+import importlib
 
 import pytest
 import torch
@@ -249,30 +250,55 @@ def test_fused_layer_under_autocast_with_dropout_draws_the_per_op_masks(backend)
     assert_same(fused, per_op, atol=AMP_TOLERANCE[torch.bfloat16], rtol=AMP_TOLERANCE[torch.bfloat16])
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
 @pytest.mark.parametrize("packing", list(PACKINGS))
 @pytest.mark.parametrize("valid_lens", list(PACKED_VALID_LENS.values()), ids=list(PACKED_VALID_LENS))
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_fused_layer_on_packed_tokens_with_dropout(backend, valid_lens, packing, monkeypatch):
-    """skip_padding with dropout on the CPU: the varlen kernels' CPU twin, in one node, with the
-    per-op path's masks; and the same without autograd (train mode, no_grad)."""
-    block = make_block(backend, dropout=0.3, use_bias=True, activation="gelu")
+def test_fused_layer_on_packed_tokens(backend, valid_lens, packing, dropout, monkeypatch):
+    """skip_padding on the CPU, in one node, against the per-op path: without dropout PyTorch's
+    fused CPU attention once per sequence (the varlen kernels' CPU twin for a static unpadding,
+    which has no host counts), with dropout the twin, drawing the per-op path's masks; and the
+    same without autograd (eval; train mode under no_grad with dropout)."""
+    block = make_block(backend, dropout=dropout, use_bias=True, activation="gelu" if dropout else "relu")
     x, grad_out, unpadding = packed_inputs(valid_lens, PACKINGS[packing])
     fused, per_op = fused_and_per_op(block, x, valid_lens, grad_out, unpadding)
     assert fused[0].shape == x.shape
     assert_same(fused, per_op, atol=1e-5)
-    fused, per_op = infer_fused_and_per_op(block, x, valid_lens, monkeypatch, grad_mode=torch.no_grad,
-                                           unpadding=unpadding)
+    fused, per_op = infer_fused_and_per_op(block if dropout else block.eval(), x, valid_lens, monkeypatch,
+                                           grad_mode=torch.no_grad, unpadding=unpadding)
     assert_close(fused, per_op, atol=1e-5, rtol=0, what="output")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_packed_tokens_without_dropout_take_the_per_op_path_on_the_cpu(backend, monkeypatch):
-    """There the per-op path's SDPA calls beat the varlen kernels' CPU twin (explicit math)."""
+def test_packed_tokens_on_the_cpu_attend_per_sequence(backend, monkeypatch):
+    """Without dropout, with host counts: one fused CPU attention call per non-empty sequence,
+    forward and backward (not the varlen kernels' twin, whose explicit math is slower)."""
+    layer_module = importlib.import_module("bert_fast.ops.encoder_layer")   # ops.encoder_layer: the function
+    calls = []
+    for name in ("_flash_cpu", "_flash_cpu_backward"):
+        op = getattr(layer_module, name)
+        monkeypatch.setattr(layer_module, name, lambda *args, op=op, name=name, **kwargs: calls.append(name)
+                            or op(*args, **kwargs))
     block = make_block(backend, use_bias=True)
-    x, grad_out, unpadding = packed_inputs(PACKED_VALID_LENS["empty-seq"], None)
-    with counting_fused_calls(monkeypatch) as calls:
-        out = block(x.requires_grad_(), PACKED_VALID_LENS["empty-seq"], unpadding=unpadding)
-    assert calls == [] and type(out.grad_fn).__name__ != "_EncoderLayerBackward"
+    valid_lens = PACKED_VALID_LENS["empty-seq"]            # one empty sequence, one of 7 tokens
+    x, grad_out, unpadding = packed_inputs(valid_lens, None)
+    fused = run(block, x, valid_lens, grad_out, unpadding=unpadding)
+    assert type(fused[1]).__name__ == "_EncoderLayerBackward"
+    assert calls == ["_flash_cpu", "_flash_cpu_backward"], calls
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_layer_on_packed_tokens_of_empty_sequences_only(backend):
+    """Every valid_len 0: no token at all (N = 0), the output empty and the gradients zero (the
+    per-op path's attention returns a fresh empty tensor there, so W_q, W_k, W_v get None)."""
+    block = make_block(backend, use_bias=True)
+    valid_lens = torch.zeros(B)
+    x, grad_out, unpadding = packed_inputs(valid_lens, None)
+    assert x.shape == (0, H)
+    fused, per_op = fused_and_per_op(block, x, valid_lens, grad_out, unpadding)
+    assert fused[0].shape == per_op[0].shape == (0, H)
+    for name, grad in fused[2].items():
+        assert grad is not None and torch.count_nonzero(grad) == 0, name
 
 
 def test_output_is_not_a_view_and_can_be_edited_in_place():

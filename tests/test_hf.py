@@ -371,14 +371,17 @@ def _layer_nodes(output):
 FUSED_BACKENDS = [b for b in ("triton", "cuda") if b in available_backends()]
 
 
+@pytest.mark.parametrize("skip_padding", [False, True])
 @pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "autocast"])
 @pytest.mark.parametrize("act", ["gelu", "relu"])
 @pytest.mark.parametrize("backend", FUSED_BACKENDS)
-def test_training_layers_run_fused_with_hf_gradients(backend, act, amp):
+def test_training_layers_run_fused_with_hf_gradients(backend, act, amp, skip_padding):
     """On the triton and cuda backends each layer trains as one autograd node (ops.encoder_layer,
     as FastEncoderBlock's): HF's loss and gradients (dropout 0; under autocast within bf16's
-    rounding of HF's under the same autocast)."""
-    ref, fast = hf_pair(config(act=act), cls=BertForSequenceClassification, backend=backend)
+    rounding of HF's under the same autocast). With skip_padding on the packed tokens (the loss
+    reads the first token's state, valid in a prefix mask, so it is HF's)."""
+    ref, fast = hf_pair(config(act=act), cls=BertForSequenceClassification, backend=backend,
+                        skip_padding=skip_padding)
     ref.train(), fast.train()
     ids, types = inputs(3, 10)
     mask = make_mask("prefix", 3, 10)

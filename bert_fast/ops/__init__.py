@@ -5,9 +5,9 @@ from .attention import (KeyMask, key_mask, multi_head_attention, packed_self_att
                         unpadded_self_attention)
 from .bias_act import ACTIVATIONS, bias_act, linear_act
 from .embedding import embedding_sum
-from .encoder_layer import LayerSpec, applies as encoder_layer_applies, encoder_layer
+from .encoder_layer import LayerSpec, encoder_layer
 from .padding import Unpadding, pad, unpad, unpadding_for
 
 __all__ = ["add_layernorm", "multi_head_attention", "KeyMask", "key_mask", "prepare_key_mask", "packed_self_attention",
            "unpadded_self_attention",
-           "ACTIVATIONS", "bias_act", "linear_act", "embedding_sum", "LayerSpec", "encoder_layer", "encoder_layer_applies", "Unpadding", "pad", "unpad", "unpadding_for"]
+           "ACTIVATIONS", "bias_act", "linear_act", "embedding_sum", "LayerSpec", "encoder_layer", "Unpadding", "pad", "unpad", "unpadding_for"]

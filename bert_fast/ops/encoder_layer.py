@@ -27,11 +27,12 @@ packed QKV lookup) is paid once per layer instead of once per op.
 
 Where it applies (modules.fused_layer): eager, backends triton and cuda, no functorch
 transform, and the block's submodules the plain fast ones without hooks; padded self-attention
-(x (B, L, H), a KeyMask or None), or skip_padding's packed valid tokens (x (N, H), the
-Unpadding: the varlen kernels) where those kernels run (``applies``). torch.compile traces the per-op
-registered ops instead (Inductor fuses across them itself). Attention: the Triton kernels on
-CUDA (and on the CPU with dropout, their twin); on the CPU without dropout PyTorch's fused CPU
-attention (``_scaled_dot_product_flash_attention_for_cpu`` and its backward: what SDPA runs).
+(x (B, L, H), a KeyMask or None) or skip_padding's packed valid tokens (x (N, H), their
+Unpadding). torch.compile traces the per-op registered ops instead (Inductor fuses across them
+itself). Attention: the Triton kernels on CUDA (padded, or varlen over the packed tokens; on
+the CPU with dropout, their twin); on the CPU without dropout PyTorch's fused CPU attention
+(``_scaled_dot_product_flash_attention_for_cpu`` and its backward: what SDPA runs), over the
+padded batch with the key mask, or once per sequence of packed tokens.
 """
 
 from typing import NamedTuple
@@ -90,16 +91,49 @@ def _uses_kernels(qkv, dropout_p):
     return _runs_kernel(qkv, dropout_p)
 
 
-def applies(x, key_mask, dropout_p):
-    """Whether encoder_layer runs the layer as fast as the per-op path would: always for padded
-    attention; for packed valid tokens (skip_padding) where the varlen kernel runs (not on the
-    CPU without dropout, where the per-op path's SDPA calls beat the kernel's CPU twin)."""
-    return not isinstance(key_mask, Unpadding) or _uses_kernels(x, dropout_p)
+def _per_sequence(qkv, unpadding, dropout_p):
+    """Whether packed tokens' attention runs PyTorch's fused CPU attention once per sequence (as
+    the per-op path's SDPA calls there), rather than the varlen kernels or their CPU twin: on the
+    CPU without dropout, with the per-sequence counts on the host."""
+    return not (_uses_kernels(qkv, dropout_p) or unpadding.static)
+
+
+def _sequence_heads(rows, num_heads):
+    """q, k, v (1, heads, n, d) views of one sequence's (n, 3H) packed projection."""
+    return rows.unflatten(-1, (3, num_heads, -1)).permute(1, 2, 0, 3).unsqueeze(1).unbind(0)
+
+
+def _per_sequence_forward(qkv, seqlens, num_heads):
+    outputs, saved = [], []
+    for rows in qkv.split(seqlens):
+        if rows.shape[0] == 0:
+            continue
+        out, lse = _flash_cpu(*_sequence_heads(rows, num_heads), 0.0, False)
+        saved.append((out, lse))
+        outputs.append(out[0].transpose(0, 1).reshape(rows.shape[0], -1))
+    context = torch.cat(outputs) if outputs else qkv.new_empty(0, qkv.shape[-1] // 3)
+    return context, saved
+
+
+def _per_sequence_backward(grad, qkv, seqlens, num_heads, saved):
+    grads, saved = [], iter(saved)
+    for rows, grad_rows in zip(qkv.split(seqlens), grad.split(seqlens)):
+        n = rows.shape[0]
+        if n == 0:
+            continue
+        out, lse = next(saved)
+        grad_rows = grad_rows.view(n, num_heads, -1).transpose(0, 1)[None]
+        dq, dk, dv = _flash_cpu_backward(grad_rows, *_sequence_heads(rows, num_heads), out, lse, 0.0, False)
+        # (3, 1, heads, n, d) -> (n, 3, heads, d): the packed projection's layout.
+        grads.append(torch.stack((dq, dk, dv)).squeeze(1).permute(2, 0, 1, 3).reshape(n, -1))
+    return torch.cat(grads) if grads else torch.zeros_like(qkv)
 
 
 def _attention_forward(qkv, key_mask, num_heads, dropout_p, seed):
     """(context (B, L, H) or, for packed valid tokens, (N, H); what the backward needs)."""
     if isinstance(key_mask, Unpadding):
+        if _per_sequence(qkv, key_mask, dropout_p):
+            return _per_sequence_forward(qkv, key_mask.seqlens, num_heads)
         out, lse = _varlen_attention_fwd(qkv, key_mask.cu_seqlens, num_heads, key_mask.seqlen, dropout_p, seed,
                                          key_mask.static)
         return out, (out, lse)
@@ -117,10 +151,13 @@ def _attention_forward(qkv, key_mask, num_heads, dropout_p, seed):
 
 def _attention_backward(grad, qkv, key_mask, num_heads, dropout_p, seed, saved):
     """d_qkv, qkv's shape."""
-    out, lse = saved
     if isinstance(key_mask, Unpadding):
+        if _per_sequence(qkv, key_mask, dropout_p):
+            return _per_sequence_backward(grad, qkv, key_mask.seqlens, num_heads, saved)
+        out, lse = saved
         return _varlen_attention_bwd(grad, qkv, out, lse, key_mask.cu_seqlens, num_heads, key_mask.seqlen,
                                      dropout_p, seed, key_mask.static)
+    out, lse = saved
     if _uses_kernels(qkv, dropout_p):
         valid_lens = None if key_mask is None else key_mask.valid_lens
         counts = None if key_mask is None else key_mask.counts
