@@ -299,7 +299,8 @@ class FastBertLayer(BertLayer):
                 and _hookless(attn_out.dense) and _hookless(output.dense)):   # the modules called below
             p = attn.dropout.p if training else 0.0
             if not training or p == attn_out.dropout.p == output.dropout.p:
-                fused = fused_layer(X, mask.key_mask if mask.unpadding is None else mask.unpadding, backend, attn.num_attention_heads, float(p),
+                attended = mask.key_mask if mask.unpadding is None else mask.unpadding
+                fused = fused_layer(X, attended, backend, attn.num_attention_heads, float(p),
                                     _activation_of(intermediate.intermediate_act_fn),
                                     (attn.query, attn.key, attn.value, attn_out.dense, intermediate.dense,
                                      output.dense), (attn_out.LayerNorm, output.LayerNorm), self)

@@ -193,9 +193,9 @@ def _layernorm_backward(spec, has_x_bias, grad, x, residual, weight, mean, rstd,
 
 
 def _layer_forward(spec, key_mask, packed, x, params, ctx=None):
-    """The layer's output for x (B, L, H), or (N, H) packed tokens; with ``ctx`` (_EncoderLayer's forward) it also keeps
-    what the backward needs. Without, nothing is kept: inference frees each intermediate as
-    the per-op path does."""
+    """The layer's output for x (B, L, H), or (N, H) packed tokens; with ``ctx`` (_EncoderLayer's
+    forward) it also keeps what the backward needs. Without, nothing is kept: inference frees
+    each intermediate as the per-op path does."""
     (w_q, w_k, w_v, b_q, b_k, b_v, w_o, b_o, ln1_w, ln1_b, w_1, b_1, w_2, b_2, ln2_w, ln2_b) = params
     p, amp = spec.dropout_p, spec.amp_dtype
     ln_fwd = _layernorm_forward(spec.extension)
@@ -312,8 +312,9 @@ def _add_product(c, a, b):
 
 def encoder_layer(spec, x, key_mask, params, packed=(None, None)):
     """The layer's output for x: (B, L, H) with ``key_mask`` a KeyMask or None, or skip_padding's
-    (N, H) packed valid tokens with ``key_mask`` their ops.Unpadding. ``params``: W_q, W_k, W_v, b_q, b_k, b_v, W_o, b_o,
-    LN1 weight and bias, W_1, b_1, W_2, b_2, LN2 weight and bias (biases may be None).
+    (N, H) packed valid tokens with ``key_mask`` their ops.Unpadding. ``params``: W_q, W_k, W_v,
+    b_q, b_k, b_v, W_o, b_o, LN1 weight and bias, W_1, b_1, W_2, b_2, LN2 weight and bias
+    (biases may be None).
     ``packed``: the QKV weight and bias as views of the Parameters' memory where they lie back
     to back (else None: concatenated here). One autograd node where autograd records, else
     the launchers alone."""
