@@ -421,3 +421,25 @@ def test_double_backward_runs_on_torch_and_says_it_is_unsupported_elsewhere(back
         return
     with pytest.raises(NotImplementedError, match=r"double backward .* not supported .* backend='torch'"):
         penalty.backward()
+
+
+@pytest.mark.parametrize("tracer", ["jit.trace", "make_fx"])
+@pytest.mark.parametrize("backend", available_backends())
+def test_traced_forward_is_not_specialised_on_the_traced_valid_lens(backend, tracer):
+    """The eager path reads CPU valid_lens on the host to leave out work (no query sees no key):
+    never while tracing, or the traced graph would keep that choice for every later input."""
+    import warnings
+    from torch.fx.experimental.proxy_tensor import make_fx
+    torch.manual_seed(0)
+    encoder = FastBERTEncoder(**encoder_config(num_heads=2, head_dim=8, num_layers=2, vocab_size=50),
+                              backend=backend, check_inputs=False).eval()
+    tokens, segments = random_inputs(2, 6, 50)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")        # jit.trace's warnings about the traced Python
+        if tracer == "jit.trace":
+            traced = torch.jit.trace(encoder, (tokens, segments, torch.tensor([3.0, 6.0])), check_trace=False)
+        else:
+            traced = make_fx(lambda *args: encoder(*args))(tokens, segments, torch.tensor([3.0, 6.0]))
+    empty_first = torch.tensor([0.0, 6.0])           # its queries see no key: uniform attention
+    assert_close(traced(tokens, segments, empty_first), encoder(tokens, segments, empty_first), 1e-6,
+                 what="traced output, a sequence with valid_len 0")

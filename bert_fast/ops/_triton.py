@@ -70,11 +70,16 @@ def cpu_kernel(t):
     return t.is_cpu and not _KERNELS_ON_CPU[0]
 
 
+_PROXY_MODE = torch._C._TorchDispatchModeKey.PROXY
+
+
 def values_on_host(*tensors):
-    """Whether the tensors' values can be read here without a device sync or a traced graph:
-    eager plain CPU tensors (None allowed). FakeTensor, FunctionalTensor and other subclasses
-    under torch.compile, and functorch's wrappers, are not read."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    """Whether the tensors' values can be read, and branched on, here without a device sync and
+    outside any trace: eager plain CPU tensors (None allowed). Not while torch.compile,
+    torch.jit.trace or make_fx trace (a branch would be baked into the graph for every later
+    input), nor under functorch's transforms."""
+    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or torch._C._get_tracing_state() or torch._C._get_dispatch_mode(_PROXY_MODE) is not None):
         return False
     return all(t is None or (type(t) is torch.Tensor and t.is_cpu) for t in tensors)
 
@@ -107,8 +112,6 @@ def uses_triton(backend):
         raise ValueError(f"backend must be 'torch', 'triton' or 'cuda', got {backend!r}")
     return backend != "torch"
 
-
-_PROXY_MODE = torch._C._TorchDispatchModeKey.PROXY
 
 
 def launch(kernel, like):
