@@ -67,6 +67,7 @@ from . import ops
 from .backend import backend_for, backend_of, resolve_backend
 from .cuda_graph import _Bucket, _Calls, _is_ids, _sliced, bucket_batch, bucket_seqlen, bucket_tokens, \
     clear_cuda_graphs, graphed
+from .ops._triton import values_on_host
 from .modules import _GLOBAL_HOOKS, _hookless, _linear, _pack_back_to_back_, _QKVPacking, fused_layer
 from .ops.embedding_layernorm import embedding_layernorm
 
@@ -346,8 +347,9 @@ def _prefix_lengths_on_host(keep):
 
 
 def _readable_on_host(tensor):
-    """Whether reading ``tensor`` on the host is free: an eager CPU tensor (no device sync)."""
-    return tensor.device.type == "cpu" and not torch.compiler.is_compiling()
+    """Whether reading ``tensor`` on the host is free (an eager CPU tensor: no device sync) and
+    safe to branch on (not while torch.compile, jit.trace or make_fx trace: ops.values_on_host)."""
+    return values_on_host(tensor)
 
 
 class FastBertModel(BertModel):

@@ -726,3 +726,34 @@ def test_per_op_inference_reads_the_packed_qkv_in_place(monkeypatch):
     with torch.inference_mode():
         doubled = fast(ids, None, types).last_hidden_state
     assert len(made) == 1 and (doubled - out).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("tracer", ["jit.trace", "make_fx"])
+def test_traced_model_is_not_specialised_on_the_traced_mask(tracer):
+    """On CPU tensors the mask is read on the host to skip the sort of a prefix mask, or the
+    masking of a full one: never while tracing, or the traced graph would keep that choice for
+    every later mask."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    ref, fast = hf_pair(config())
+    ids, types = inputs(3, 9)
+    traced_mask = make_mask("prefix", 3, 9)
+
+    class LastHiddenState(torch.nn.Module):          # jit.trace takes a module's Parameters as such
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, *args):
+            return self.model(*args).last_hidden_state
+
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")        # jit.trace's warnings about the traced Python
+        if tracer == "jit.trace":
+            traced = torch.jit.trace(LastHiddenState(fast), (ids, traced_mask, types), check_trace=False)
+        else:
+            traced = make_fx(LastHiddenState(fast))(ids, traced_mask, types)
+    for name in ("holes", "prefix"):
+        mask = make_mask(name, 3, 9)
+        with torch.no_grad():
+            assert_close(traced(ids, mask, types), ref(ids, mask, types).last_hidden_state, ATOL,
+                         what=f"traced on a prefix mask, called with {name}")
