@@ -443,3 +443,32 @@ def test_traced_forward_is_not_specialised_on_the_traced_valid_lens(backend, tra
     empty_first = torch.tensor([0.0, 6.0])           # its queries see no key: uniform attention
     assert_close(traced(tokens, segments, empty_first), encoder(tokens, segments, empty_first), 1e-6,
                  what="traced output, a sequence with valid_len 0")
+
+
+@pytest.mark.parametrize("backend", [b for b in available_backends() if b in ("triton", "cuda")])
+def test_jit_trace_records_the_kernels(backend):
+    """torch.jit.trace records the registered ops (the eager launchers' Triton launches would be
+    invisible to it: the traced graph would allocate each output and never fill it). Through the
+    kernels: on a GPU, else in Triton's interpreter."""
+    import contextlib
+    import warnings
+    from bert_fast.ops._triton import HAS_TRITON, interpreting, kernels_on_cpu
+    if not HAS_TRITON or not (torch.cuda.is_available() or interpreting()):
+        pytest.skip("needs the Triton kernels (a GPU, or TRITON_INTERPRET=1)")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    encoder = FastBERTEncoder(**encoder_config(num_heads=2, head_dim=8, num_layers=2, vocab_size=50),
+                              backend=backend, check_inputs=False).to(device).eval()
+    tokens, segments = (t.to(device) for t in random_inputs(2, 6, 50))
+    on_kernels = contextlib.nullcontext() if device == "cuda" else kernels_on_cpu()
+    with on_kernels, torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace(encoder, (tokens, segments, torch.tensor([3.0, 6.0], device=device)),
+                                 check_trace=False)
+        recorded = {node.kind() for node in traced.inlined_graph.nodes() if node.kind().startswith("bert_fast::")}
+        layernorm = "bert_fast::ext_add_layernorm_fwd" if backend == "cuda" else "bert_fast::add_layernorm_fwd"
+        assert {layernorm, "bert_fast::attention_fwd"} <= recorded, recorded
+        tokens, segments = (t.to(device) for t in random_inputs(2, 6, 50))      # new inputs
+        valid_lens = torch.tensor([0.0, 5.0], device=device)
+        assert_close(traced(tokens, segments, valid_lens), encoder(tokens, segments, valid_lens), 1e-5,
+                     what="traced output on new inputs")

@@ -16,9 +16,12 @@ import functools
 import torch
 
 
-# True while torch.compile traces: then the ops go through their registered form. The function
-# itself, not a wrapper: dynamo recognises it by identity, and eager calls save a Python frame.
-use_registered_op = torch.compiler.is_compiling
+def use_registered_op():
+    """True while torch.compile or torch.jit.trace traces: then the ops go through their
+    registered form, which both record as one node (the eager launchers' Triton launches are
+    invisible to jit.trace: its graph would keep the output's allocation and not the kernel).
+    Under torch.compile is_compiling() is a constant True and the rest is never reached."""
+    return torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None
 
 
 # Whether autocast is on for any device (torch.is_autocast_enabled() alone is CUDA's); Dynamo
