@@ -11,9 +11,11 @@ The rule:
 * Checks of values (token ids in [0, vocab_size), segment ids in {0, 1}, no NaN in float
   ``valid_lens``) read the data, which costs one host synchronisation per forward. They are
   what ``check_inputs=False`` turns off (``check_encoder_values``). With ``check_inputs=True``
-  they run in eager mode and under torch.compile (also ``fullgraph=True``): there they run
-  inside the compiled graph as one opaque op (``bert_fast::check_encoder_values``) ordered
-  before the embedding lookup, so an out-of-range id is a Python ValueError.
+  they run in eager mode and under torch.compile (also ``fullgraph=True``) and torch.jit.trace:
+  there they run inside the compiled or traced graph as one opaque op
+  (``bert_fast::check_encoder_values``) ordered before the embedding lookup, so an
+  out-of-range id is a Python ValueError (a RuntimeError carrying its message from a
+  TorchScript graph).
 
 With ``check_inputs=False`` shapes, dtypes and devices are still checked; an out-of-range id is
 never wrapped or read outside its table (ops.embedding_sum: an IndexError on the CPU, guarded
@@ -31,6 +33,7 @@ from typing import Optional
 
 import torch
 
+from .ops._autograd import use_registered_op
 from .ops._triton import as_dtype
 
 ID_DTYPES = (torch.int64, torch.int32)
@@ -162,7 +165,7 @@ def check_encoder_values(tokens, segments, valid_lens, *, vocab_size):
     (``tokens + 0`` from the check's op): use the returned tensor."""
     if valid_lens is not None and valid_lens.requires_grad:
         valid_lens = valid_lens.detach()
-    if torch.compiler.is_compiling():
+    if use_registered_op():      # torch.compile or jit.trace: the check stays in the graph
         return tokens + _check_values_op(tokens, segments, valid_lens, vocab_size)
     if _capturing_cuda_graph(tokens):
         # The read would end the capture with CUDA's "operation not permitted when stream is

@@ -472,3 +472,23 @@ def test_jit_trace_records_the_kernels(backend):
         valid_lens = torch.tensor([0.0, 5.0], device=device)
         assert_close(traced(tokens, segments, valid_lens), encoder(tokens, segments, valid_lens), 1e-5,
                      what="traced output on new inputs")
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_jit_traced_encoder_keeps_the_value_check(backend):
+    """check_inputs=True under torch.jit.trace: the check is recorded as its op (as under
+    torch.compile) and runs at every call of the traced graph, with its message."""
+    import warnings
+    torch.manual_seed(0)
+    encoder = FastBERTEncoder(**encoder_config(num_heads=2, head_dim=8, num_layers=2, vocab_size=50),
+                              backend=backend).eval()
+    tokens, segments = random_inputs(2, 6, 50)
+    valid_lens = torch.tensor([3.0, 6.0])
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace(encoder, (tokens, segments, valid_lens), check_trace=False)
+        assert "bert_fast::check_encoder_values" in {node.kind() for node in traced.inlined_graph.nodes()}
+        assert_close(traced(tokens, segments, valid_lens), encoder(tokens, segments, valid_lens), 1e-5)
+        tokens[0, 0] = 50
+        with pytest.raises(RuntimeError, match=r"token ids must be in \[0, 50\)"):
+            traced(tokens, segments, valid_lens)
