@@ -113,7 +113,6 @@ def uses_triton(backend):
     return backend != "torch"
 
 
-
 def launch(kernel, like):
     """``kernel``, ready for ``[grid](...)``; ``like`` is one of the tensors it is launched on.
 
