@@ -81,6 +81,20 @@ def test_kernels_match_torch(shape, affine, dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_forward_without_statistics_gives_the_same_output(dropout_p):
+    """stats=False (inference): the same output bits, no mean and rstd made."""
+    x, residual = torch.randn(37, 96, device=DEVICE), torch.randn(37, 96, device=DEVICE)
+    weight, bias = torch.randn(96, device=DEVICE), torch.randn(96, device=DEVICE)
+    args = (x, residual, weight, bias, 1e-5, seed_tensor(5) if dropout_p else None, dropout_p)
+    out, mean, rstd = _add_layernorm_fwd_triton(*args)
+    assert mean is not None and rstd is not None
+    bare = _add_layernorm_fwd_triton(*args, stats=False)
+    assert bare[1] is None and bare[2] is None
+    assert torch.equal(bare[0], out)
+
+
+@needs_kernels
 def test_rows_per_program_depends_on_hidden():
     assert _layernorm_blocks(96) == (128, 16, 8)
     assert _layernorm_blocks(768) == (1024, 2, 8)

@@ -76,7 +76,7 @@ def _add_layernorm_fwd_kernel(x_ptr, residual_ptr, weight_ptr, bias_ptr, out_ptr
                               dropout_p, keep_scale, seed_ptr,
                               HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                               HAS_DROPOUT: tl.constexpr, BLOCK_H: tl.constexpr,
-                              ROWS_PER_PROGRAM: tl.constexpr):
+                              ROWS_PER_PROGRAM: tl.constexpr, STORE_STATS: tl.constexpr = True):
     # fp32 whatever the caller typed them (torch.compile types float arguments fp64).
     eps = tl.cast(eps, tl.float32)
     dropout_p, keep_scale = tl.cast(dropout_p, tl.float32), tl.cast(keep_scale, tl.float32)
@@ -97,8 +97,9 @@ def _add_layernorm_fwd_kernel(x_ptr, residual_ptr, weight_ptr, bias_ptr, out_ptr
     if HAS_BIAS:
         out += tl.load(bias_ptr + cols, mask=col_in, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rows64 * hidden + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(mean_ptr + rows, mean, mask=row_in)
-    tl.store(rstd_ptr + rows, rstd, mask=row_in)
+    if STORE_STATS:       # the statistics are for the backward: inference needs none
+        tl.store(mean_ptr + rows, mean, mask=row_in)
+        tl.store(rstd_ptr + rows, rstd, mask=row_in)
 
 
 @triton.jit
@@ -214,8 +215,10 @@ def _check_fwd_inputs(x, residual, weight, bias, seed, dropout_p):
     check_seed(seed, dropout_p, x.device)
 
 
-def _add_layernorm_fwd_triton(x, residual, weight, bias, eps, seed, dropout_p):
-    """Triton forward: (out shaped like x, mean (rows,) fp32, rstd (rows,) fp32)."""
+def _add_layernorm_fwd_triton(x, residual, weight, bias, eps, seed, dropout_p, stats=True):
+    """Triton forward: (out shaped like x, mean (rows,) fp32, rstd (rows,) fp32).
+    ``stats=False`` (inference: no backward will read them): mean and rstd are None, neither
+    allocated nor stored."""
     _check_fwd_inputs(x, residual, weight, bias, seed, dropout_p)
     require_triton(x, residual, weight, bias)
     hidden = x.shape[-1]
@@ -224,8 +227,8 @@ def _add_layernorm_fwd_triton(x, residual, weight, bias, eps, seed, dropout_p):
     # Allocated in x's shape (contiguous: the kernel writes rows of `hidden`), not as a view of
     # a 2-D buffer: autograd forbids in-place edits of an op's output that is a view.
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    mean = torch.empty(n_rows, dtype=torch.float32, device=x.device) if stats else None
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device) if stats else None
     if not nothing_to_launch(n_rows):
         block_h, rows_per_program, num_warps = _layernorm_blocks(hidden)
         launch(_add_layernorm_fwd_kernel, out)[(cdiv(n_rows, rows_per_program),)](
@@ -233,7 +236,7 @@ def _add_layernorm_fwd_triton(x, residual, weight, bias, eps, seed, dropout_p):
             x_stride, residual_stride, n_rows, hidden, eps,
             dropout_p, _keep_scale(dropout_p), seed,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0,
-            BLOCK_H=block_h, ROWS_PER_PROGRAM=rows_per_program, num_warps=num_warps)
+            BLOCK_H=block_h, ROWS_PER_PROGRAM=rows_per_program, STORE_STATS=stats, num_warps=num_warps)
     return out, mean, rstd
 
 
@@ -351,11 +354,18 @@ def _add_layernorm_bwd_cpu(grad_out, x, residual, weight, mean, rstd, seed, drop
             as_dtype(d_weight, x.dtype), as_dtype(d_bias, x.dtype))
 
 
-def _add_layernorm_fwd(x, residual, weight, bias, eps, seed, dropout_p):
-    """The launcher for the inputs' device: the Triton kernel, or the CPU kernel."""
+def _add_layernorm_fwd(x, residual, weight, bias, eps, seed, dropout_p, stats=True):
+    """The launcher for the inputs' device: the Triton kernel, or the CPU kernel (which makes
+    the statistics whatever ``stats`` says: native_layer_norm does)."""
     if cpu_kernel(x):
         return _add_layernorm_fwd_cpu(x, residual, weight, bias, eps, seed, dropout_p)
-    return _add_layernorm_fwd_triton(x, residual, weight, bias, eps, seed, dropout_p)
+    return _add_layernorm_fwd_triton(x, residual, weight, bias, eps, seed, dropout_p, stats)
+
+
+def _add_layernorm_fwd_output(x, residual, weight, bias, eps, seed, dropout_p):
+    """(output, ...) of _add_layernorm_fwd where no backward follows: the kernel stores no
+    statistics."""
+    return _add_layernorm_fwd(x, residual, weight, bias, eps, seed, dropout_p, False)
 
 
 def _add_layernorm_bwd(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias, x_bias=False):
@@ -518,4 +528,4 @@ def add_layernorm(x, residual, weight, bias, eps=1e-5, dropout_p=0.0, training=F
         return thin_apply(_AddLayerNorm, extension, x, residual, weight, bias, eps, seed, dropout_p)
     if extension:
         return _ext_fwd(x, residual, weight, bias, float(eps), seed, dropout_p)[0]
-    return _add_layernorm_fwd(x, residual, weight, bias, eps, seed, dropout_p)[0]
+    return _add_layernorm_fwd(x, residual, weight, bias, eps, seed, dropout_p, False)[0]

@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 from torch.nn import functional as F
 
-from .add_layernorm import _add_layernorm_bwd, _add_layernorm_fwd, _ext_bwd, _ext_fwd
+from .add_layernorm import _add_layernorm_bwd, _add_layernorm_fwd, _add_layernorm_fwd_output, _ext_bwd, _ext_fwd
 from .attention import (_attention_bwd, _attention_fwd, _runs_kernel, _varlen_attention_bwd, _varlen_attention_fwd,
                         key_mask as _key_mask)
 from .bias_act import _bias_act_bwd, _bias_act_fwd
@@ -173,8 +173,12 @@ def _attention_backward(grad, qkv, key_mask, num_heads, dropout_p, seed, saved):
     return torch.stack((dq, dk, dv)).permute(1, 3, 0, 2, 4).reshape(qkv.shape)
 
 
-def _layernorm_forward(extension):
-    return _ext_fwd if extension else _add_layernorm_fwd
+def _layernorm_forward(extension, stats):
+    """The add-norm's forward; ``stats``: whether a backward will read its statistics (the
+    extension's op stores them either way)."""
+    if extension:
+        return _ext_fwd
+    return _add_layernorm_fwd if stats else _add_layernorm_fwd_output
 
 
 def _layernorm_backward(spec, has_x_bias, grad, x, residual, weight, mean, rstd, seed, has_bias):
@@ -198,7 +202,7 @@ def _layer_forward(spec, key_mask, packed, x, params, ctx=None):
     each intermediate as the per-op path does."""
     (w_q, w_k, w_v, b_q, b_k, b_v, w_o, b_o, ln1_w, ln1_b, w_1, b_1, w_2, b_2, ln2_w, ln2_b) = params
     p, amp = spec.dropout_p, spec.amp_dtype
-    ln_fwd = _layernorm_forward(spec.extension)
+    ln_fwd = _layernorm_forward(spec.extension, ctx is not None)
     w_qkv, b_qkv = _packed((w_q, w_k, w_v), packed[0]), _packed((b_q, b_k, b_v), packed[1])
     if amp is None:
         x_gemm, norm_dtype = x, x.dtype
