@@ -786,9 +786,8 @@ def _padded_rows_cpu(cu_seqlens, num_tokens, max_seqlen):
     the kernels leave such rows unwritten."""
     tokens = torch.arange(num_tokens, dtype=torch.int32, device=cu_seqlens.device)
     sequence = torch.searchsorted(cu_seqlens[1:], tokens, right=True)
-    slots = (cu_seqlens.shape[0] - 1) * max_seqlen
-    return torch.where(sequence < cu_seqlens.shape[0] - 1, sequence * max_seqlen + (tokens - cu_seqlens[sequence]),
-                       slots)
+    batch = cu_seqlens.shape[0] - 1
+    return torch.where(sequence < batch, sequence * max_seqlen + (tokens - cu_seqlens[sequence]), batch * max_seqlen)
 
 
 def _padded_cpu(x, rows, batch, max_seqlen):
