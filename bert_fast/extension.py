@@ -19,6 +19,8 @@ import threading
 
 import torch
 
+from .ops._autograd import compile_time_constant
+
 CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
 JIT_NAME = "bert_fast_ext"
 OPS = ("ext_embedding_sum_fwd", "ext_embedding_sum_bwd", "ext_add_layernorm_fwd", "ext_add_layernorm_bwd")
@@ -171,7 +173,7 @@ def require_extension(tensor):
         raise RuntimeError(problem)
 
 
-@torch.compiler.assume_constant_result
+@compile_time_constant
 def _extension_problem(device_type):
     """Why the extension's ops cannot run on ``device_type``, or None, loading it if needed.
     A constant for torch.compile: traced (even fullgraph) before anything loaded the extension,

@@ -304,6 +304,8 @@ class _TrainingOps(torch.nn.Module):
 
 
 def training_ops():
+    from bert_fast.ops._autograd import register_ops
+    register_ops()          # _TrainingOps calls torch.ops.bert_fast.* by name, which exist from then on
     batch, seqlen, hidden = 2, 24, 128
     for dtype in (torch.bfloat16, torch.float32):
         with fake_mode(), torch.no_grad():

@@ -20,7 +20,7 @@ method: a fresh interpreter (fork after torch, OpenMP or CUDA have started is un
 process's environment (TRITON_INTERPRET ...) and sys.path. Like every spawned process it first
 imports the parent's main script: a script (not pytest) that calls this needs the
 ``if __name__ == "__main__":`` guard. Costs (2-core CPU machine, loaded): starting a child
-~1.8 s (importing torch; its first extension op call then imports bert_fast, ~2.5 s), a call
+~1.8 s (importing torch; its first extension op call then imports bert_fast, ~0.3 s), a call
 ~0.05 ms, ~1 ms for an extension op's call with a few small tensors (0.01 ms in-process).
 """
 

@@ -211,3 +211,61 @@ def test_gpu_compiled_modes_match_eager(backend, mode):
         assert grads[0].keys() == grads[1].keys() and grads[0]
         for name, grad in grads[0].items():
             assert_close(grads[1][name], grad, atol=1e-4, rtol=1e-3, what=f"grad {name}")
+
+
+# A fresh process: eager use first, then the first trace. The Triton ops are registered with
+# torch.library at their first use (ops/_autograd.register_ops), not at import, so that neither
+# `import bert_fast` nor eager calls import torch._dynamo and torch._inductor (triton_op's scan
+# for kernels does); the trace that comes first must register them itself.
+_FRESH_PROCESS = """
+import sys
+import torch
+import bert_fast
+from tests.helpers import assert_close, encoder_config, encoder_pair, random_inputs
+
+tracer, backends = sys.argv[1], sys.argv[2:]
+assert "torch._dynamo" not in sys.modules, "import bert_fast imported torch._dynamo"
+tokens, segments = random_inputs(3, 9, 50)
+valid_lens = torch.tensor([3, 0, 9])
+models = {}
+for backend in backends:
+    _, fast = encoder_pair(encoder_config(num_layers=1), backend=backend)
+    fast(tokens, segments, valid_lens).sum().backward()
+    models[backend] = fast.eval()
+assert "torch._dynamo" not in sys.modules, "eager calls imported torch._dynamo"
+from bert_fast.ops import _autograd
+assert not any(_autograd._REGISTRARS.values()), "eager calls registered the Triton ops"
+for backend, fast in models.items():
+    traced = set()
+    with torch.no_grad():
+        expected = fast(tokens, segments, valid_lens)
+        if tracer == "compile":
+            def recording_backend(gm, example_inputs):
+                traced.update(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+                return gm.forward
+            out = torch.compile(fast, fullgraph=True, backend=recording_backend)(tokens, segments, valid_lens)
+        else:
+            graphed = torch.jit.trace(fast, (tokens, segments, valid_lens), check_trace=False)
+            traced.update(node.kind() for node in graphed.inlined_graph.nodes())
+            out = graphed(tokens, segments, valid_lens)
+    assert_close(out, expected, atol=1e-5, what=f"{tracer} vs eager, {backend}")
+    assert any("bert_fast::attention_fwd" in op or "bert_fast.attention_fwd" in op for op in traced), sorted(traced)
+print("fresh process: ok")
+"""
+
+
+@pytest.mark.parametrize("tracer", ["compile", "jit.trace"])
+def test_triton_ops_register_at_first_trace_in_a_fresh_process(tracer):
+    """In a new interpreter: import and eager calls (every backend but torch) leave torch._dynamo
+    unimported and the Triton ops unregistered; the first torch.compile(fullgraph) or jit.trace
+    then registers them, and its graph holds them and matches eager."""
+    import pathlib
+    import subprocess
+    import sys
+    backends = [b for b in available_backends() if b in ("triton", "cuda")]
+    if not backends:
+        pytest.skip("Triton is not installed")
+    root = pathlib.Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, tracer.split(".")[-1], *backends], cwd=root,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "fresh process: ok" in run.stdout, run.stdout + run.stderr[-3000:]

@@ -9,9 +9,13 @@ Every fused op is reachable two ways (STYLE.md rule 2):
   on a GPU is more than the kernels of a BERT layer take (../shared/gpu-runs/h100-2026-11-23).
 * compiled: the registered op (``triton_op`` or the extension's ``TORCH_LIBRARY`` op) with its
   fake kernel and ``register_autograd``, which torch.compile traces (``use_registered_op``).
+
+The Triton ops are registered at their first use, not at import (``deferred_ops``).
 """
 
 import functools
+import sys
+import threading
 
 import torch
 
@@ -20,8 +24,60 @@ def use_registered_op():
     """True while torch.compile or torch.jit.trace traces: then the ops go through their
     registered form, which both record as one node (the eager launchers' Triton launches are
     invisible to jit.trace: its graph would keep the output's allocation and not the kernel).
-    Under torch.compile is_compiling() is a constant True and the rest is never reached."""
-    return torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None
+    The registered ops exist once this has said True."""
+    return (torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None) and register_ops()
+
+
+def compile_time_constant(fn):
+    """Mark ``fn`` as torch.compile's ``assume_constant_result`` does: Dynamo calls it when it
+    traces a call of it, and puts its result in the graph as a constant. Set here by hand because
+    ``torch.compiler.assume_constant_result`` imports torch._dynamo (~1.5 s on the CI machine's
+    CPU), which neither ``import bert_fast`` nor eager calls otherwise need; the attribute is the
+    whole of what that decorator does (torch 2.0 to 2.13). tests/test_compile.py's fresh-process
+    tests compile with fullgraph before anything else ran: they fail if Dynamo stops honouring it."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+# Each op module's function that registers its Triton ops (triton_op, autograd), and whether it ran.
+_REGISTRARS = {}
+_registry_lock = threading.RLock()
+
+
+@compile_time_constant
+def register_ops():
+    """Register every Triton op with torch.library now, if not yet; True.
+
+    Deferred from import: ``torch.library.triton_op`` imports torch._inductor and torch._dynamo
+    (1.5-2 s on the CI machine's CPU, most of ``import bert_fast``) to look for the op's
+    kernels, and eager calls never use the registered ops (the thin path). They are registered
+    when use_registered_op() first says True, including while torch.compile traces (this runs
+    then as a compile-time constant, outside the trace), or when one is read from its module
+    (``bert_fast.ops.attention.attention_fwd``)."""
+    if all(_REGISTRARS.values()):
+        return True
+    with _registry_lock:
+        for register, done in list(_REGISTRARS.items()):
+            if not done:
+                _REGISTRARS[register] = True     # first: a registration that fails is not retried half-done
+                register()
+    return True
+
+
+def deferred_ops(module_name, register, *names):
+    """Defer ``register`` (which binds ``names`` in module ``module_name``) to register_ops(), and
+    return the module's ``__getattr__``: reading one of ``names`` before then registers the ops."""
+    _REGISTRARS[register] = False
+
+    def __getattr__(name):
+        if name in names:
+            register_ops()
+            if name in vars(sys.modules[module_name]):
+                return vars(sys.modules[module_name])[name]
+            raise AttributeError(f"{module_name}.{name}: registering bert_fast's Triton ops failed (see the "
+                                 f"first error)")
+        raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+    return __getattr__
 
 
 # Whether autocast is on for any device (torch.is_autocast_enabled() alone is CUDA's); Dynamo

@@ -36,8 +36,8 @@ from torch.nn import functional as F
 
 from .. import extension
 from ..extension import require_extension
-from ._autograd import (autocasting, below_autograd, forbid_double_backward, once_differentiable, records_grad,
-                        thin_apply, use_registered_op)
+from ._autograd import (autocasting, below_autograd, deferred_ops, forbid_double_backward, once_differentiable,
+                        records_grad, thin_apply, use_registered_op)
 from ._philox import check_seed, dropout_keep, dropout_seed
 from ._triton import (as_dtype, cdiv, compute_dtype, cpu_kernel, KERNEL_DTYPES, launch, next_power_of_2,
                       nothing_to_launch, reduction_programs, require_triton, rows, tl, triton, uses_triton)
@@ -380,21 +380,19 @@ def _add_layernorm_bwd(grad_out, x, residual, weight, mean, rstd, seed, dropout_
     return _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias, x_bias)
 
 
-@triton_op("bert_fast::add_layernorm_fwd", mutates_args=())
-def add_layernorm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
-                      bias: torch.Tensor | None, eps: float, seed: torch.Tensor | None,
-                      dropout_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _add_layernorm_fwd_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                          bias: torch.Tensor | None, eps: float, seed: torch.Tensor | None,
+                          dropout_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(LayerNorm(residual + dropout(x)), mean, rstd); dropout_p = 0 turns dropout off."""
     out, mean, rstd = _add_layernorm_fwd(x, residual, weight, bias, eps, seed, dropout_p)
     return out, mean.reshape(-1), rstd.reshape(-1)      # the CPU kernel's are (..., 1)
 
 
-@triton_op("bert_fast::add_layernorm_bwd", mutates_args=())
-def add_layernorm_bwd(grad_out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor,
-                      weight: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor,
-                      seed: torch.Tensor | None,
-                      dropout_p: float, has_bias: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _add_layernorm_bwd_op(grad_out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor,
+                          weight: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor,
+                          seed: torch.Tensor | None,
+                          dropout_p: float, has_bias: bool
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d_residual, d_x, d_weight, d_bias); see _add_layernorm_bwd_triton for the empty ones."""
     d_residual, d_x, d_weight, d_bias = _add_layernorm_bwd(grad_out, x, residual, weight, mean, rstd, seed,
                                                            dropout_p, has_bias)
@@ -427,8 +425,16 @@ def _backward(ctx, grad_out, _grad_mean, _grad_rstd, backward_op=None):
     return _input_grads(ctx, ctx.saved_tensors, backward_op or add_layernorm_bwd, grad_out) + (None,) * 3
 
 
-add_layernorm_fwd.register_autograd(_backward, setup_context=_setup_context)
-forbid_double_backward("bert_fast::add_layernorm_bwd", "add_layernorm")
+def _register_ops():
+    """The registered ops, add_layernorm_fwd and add_layernorm_bwd (at first use: deferred_ops)."""
+    global add_layernorm_fwd, add_layernorm_bwd
+    add_layernorm_fwd = triton_op("bert_fast::add_layernorm_fwd", mutates_args=())(_add_layernorm_fwd_op)
+    add_layernorm_bwd = triton_op("bert_fast::add_layernorm_bwd", mutates_args=())(_add_layernorm_bwd_op)
+    add_layernorm_fwd.register_autograd(_backward, setup_context=_setup_context)
+    forbid_double_backward("bert_fast::add_layernorm_bwd", "add_layernorm")
+
+
+__getattr__ = deferred_ops(__name__, _register_ops, "add_layernorm_fwd", "add_layernorm_bwd")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -52,7 +52,8 @@ from torch.library import triton_op
 from torch.nn import functional as F
 
 from ..reference import MASK_VALUE
-from ._autograd import forbid_double_backward, once_differentiable, records_grad, thin_apply, use_registered_op
+from ._autograd import (deferred_ops, forbid_double_backward, once_differentiable, records_grad, thin_apply,
+                        use_registered_op)
 from ._philox import check_seed, dropout_keep, dropout_seed
 from ._triton import (as_dtype, cdiv, compute_dtype, cpu_kernel, interpreting, launch, require_triton, tl,
                       triton, uses_triton, values_on_host)
@@ -855,32 +856,28 @@ def _varlen_attention_bwd(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_se
                                         filler)
 
 
-@triton_op("bert_fast::attention_fwd", mutates_args=())
-def attention_fwd(qkv: torch.Tensor, valid_lens: torch.Tensor | None, num_heads: int, dropout_p: float,
-                  seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_fwd_op(qkv: torch.Tensor, valid_lens: torch.Tensor | None, num_heads: int, dropout_p: float,
+                      seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Self-attention of a packed (B, L, 3H) projection -> (context (B, L, H), fp64 LSE (B, heads, L))."""
     return _attention_fwd(qkv, valid_lens, num_heads, dropout_p, seed)
 
 
-@triton_op("bert_fast::attention_bwd", mutates_args=())
-def attention_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                  valid_lens: torch.Tensor | None, num_heads: int, dropout_p: float,
-                  seed: torch.Tensor | None) -> torch.Tensor:
+def _attention_bwd_op(grad_out: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                      valid_lens: torch.Tensor | None, num_heads: int, dropout_p: float,
+                      seed: torch.Tensor | None) -> torch.Tensor:
     """Gradient (B, L, 3H) of the packed projection."""
     return _attention_bwd(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed)
 
 
-@triton_op("bert_fast::varlen_attention_fwd", mutates_args=())
-def varlen_attention_fwd(qkv: torch.Tensor, cu_seqlens: torch.Tensor, num_heads: int, max_seqlen: int,
-                         dropout_p: float, seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _varlen_attention_fwd_op(qkv: torch.Tensor, cu_seqlens: torch.Tensor, num_heads: int, max_seqlen: int,
+                             dropout_p: float, seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Self-attention within each sequence of packed (N, 3H) tokens -> ((N, H), fp64 LSE (heads, N))."""
     return _varlen_attention_fwd(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
 
 
-@triton_op("bert_fast::varlen_attention_bwd", mutates_args=())
-def varlen_attention_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                         cu_seqlens: torch.Tensor, num_heads: int, max_seqlen: int, dropout_p: float,
-                         seed: torch.Tensor | None) -> torch.Tensor:
+def _varlen_attention_bwd_op(grad_out: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                             cu_seqlens: torch.Tensor, num_heads: int, max_seqlen: int, dropout_p: float,
+                             seed: torch.Tensor | None) -> torch.Tensor:
     """Gradient (N, 3H) of the packed valid tokens' projection."""
     return _varlen_attention_bwd(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
 
@@ -912,10 +909,21 @@ def _varlen_attention_backward(ctx, grad_out, grad_lse):
     return dqkv, None, None, None, None, None
 
 
-attention_fwd.register_autograd(_attention_backward, setup_context=_attention_setup_context)
-varlen_attention_fwd.register_autograd(_varlen_attention_backward, setup_context=_varlen_attention_setup_context)
-forbid_double_backward("bert_fast::attention_bwd", "attention")
-forbid_double_backward("bert_fast::varlen_attention_bwd", "attention (skip_padding)")
+def _register_ops():
+    """The registered ops, (varlen_)attention_fwd and (varlen_)attention_bwd (at first use: deferred_ops)."""
+    global attention_fwd, attention_bwd, varlen_attention_fwd, varlen_attention_bwd
+    attention_fwd = triton_op("bert_fast::attention_fwd", mutates_args=())(_attention_fwd_op)
+    attention_bwd = triton_op("bert_fast::attention_bwd", mutates_args=())(_attention_bwd_op)
+    varlen_attention_fwd = triton_op("bert_fast::varlen_attention_fwd", mutates_args=())(_varlen_attention_fwd_op)
+    varlen_attention_bwd = triton_op("bert_fast::varlen_attention_bwd", mutates_args=())(_varlen_attention_bwd_op)
+    attention_fwd.register_autograd(_attention_backward, setup_context=_attention_setup_context)
+    varlen_attention_fwd.register_autograd(_varlen_attention_backward, setup_context=_varlen_attention_setup_context)
+    forbid_double_backward("bert_fast::attention_bwd", "attention")
+    forbid_double_backward("bert_fast::varlen_attention_bwd", "attention (skip_padding)")
+
+
+__getattr__ = deferred_ops(__name__, _register_ops, "attention_fwd", "attention_bwd", "varlen_attention_fwd",
+                           "varlen_attention_bwd")
 
 
 class _Attention(torch.autograd.Function):

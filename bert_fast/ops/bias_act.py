@@ -33,8 +33,8 @@ import torch
 from torch.library import triton_op
 from torch.nn import functional as F
 
-from ._autograd import (autocasting, forbid_double_backward, once_differentiable, records_grad, thin_apply,
-                        use_registered_op)
+from ._autograd import (autocasting, deferred_ops, forbid_double_backward, once_differentiable, records_grad,
+                        thin_apply, use_registered_op)
 from ._triton import (as_dtype, cdiv, compute_dtype, cpu_kernel, KERNEL_DTYPES, launch, next_power_of_2,
                       nothing_to_launch, reduction_programs, require_triton, rows, tl, triton, uses_triton)
 # Shared with add_layernorm: the dtypes the kernels take, the rows the launchers walk, and the
@@ -267,15 +267,13 @@ def _bias_act_bwd(grad_out, saved, bias, activation):
     return _bias_act_bwd_triton(grad_out, saved, bias, activation)
 
 
-@triton_op("bert_fast::bias_act_fwd", mutates_args=())
-def bias_act_fwd(h: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
+def _bias_act_fwd_op(h: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
     """act(h + bias); bias may be None."""
     return _bias_act_fwd(h, bias, activation)
 
 
-@triton_op("bert_fast::bias_act_bwd", mutates_args=())
-def bias_act_bwd(grad_out: torch.Tensor, saved: torch.Tensor, bias: torch.Tensor | None,
-                 activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _bias_act_bwd_op(grad_out: torch.Tensor, saved: torch.Tensor, bias: torch.Tensor | None,
+                     activation: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_h, d_bias) from the forward's output (relu) or input (gelu); d_bias empty if no bias."""
     return _bias_act_bwd(grad_out, saved, bias, activation)
 
@@ -297,8 +295,16 @@ def _backward(ctx, grad_out):
     return d_h, d_bias if bias is not None else None, None
 
 
-bias_act_fwd.register_autograd(_backward, setup_context=_setup_context)
-forbid_double_backward("bert_fast::bias_act_bwd", "bias_act")
+def _register_ops():
+    """The registered ops, bias_act_fwd and bias_act_bwd (at first use: deferred_ops)."""
+    global bias_act_fwd, bias_act_bwd
+    bias_act_fwd = triton_op("bert_fast::bias_act_fwd", mutates_args=())(_bias_act_fwd_op)
+    bias_act_bwd = triton_op("bert_fast::bias_act_bwd", mutates_args=())(_bias_act_bwd_op)
+    bias_act_fwd.register_autograd(_backward, setup_context=_setup_context)
+    forbid_double_backward("bert_fast::bias_act_bwd", "bias_act")
+
+
+__getattr__ = deferred_ops(__name__, _register_ops, "bias_act_fwd", "bias_act_bwd")
 
 
 class _BiasAct(torch.autograd.Function):

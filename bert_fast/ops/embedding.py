@@ -58,8 +58,8 @@ from torch.nn import functional as F
 
 from .. import extension
 from ..extension import require_extension
-from ._autograd import (below_autograd, forbid_double_backward, once_differentiable, records_grad, thin_apply,
-                        use_registered_op)
+from ._autograd import (below_autograd, deferred_ops, forbid_double_backward, once_differentiable, records_grad,
+                        thin_apply, use_registered_op)
 from ._triton import (KERNEL_DTYPES, as_dtype, cdiv, compute_dtype, cpu_kernel, launch, next_power_of_2,
                       nothing_to_launch, require_triton, tl, triton, uses_triton, values_on_host)
 
@@ -575,10 +575,9 @@ def _embedding_sum_bwd(grad_out, tokens, segments, positions, n_tokens, n_segmen
                                      max_len, learn_pos_embedding, deterministic)
 
 
-@triton_op("bert_fast::embedding_sum_fwd", mutates_args=())
-def embedding_sum_fwd(tokens: torch.Tensor, segments: torch.Tensor, token_weight: torch.Tensor,
-                      segment_weight: torch.Tensor, pos_weight: torch.Tensor,
-                      positions: torch.Tensor | None, deterministic: bool) -> torch.Tensor:
+def _embedding_sum_fwd_op(tokens: torch.Tensor, segments: torch.Tensor, token_weight: torch.Tensor,
+                          segment_weight: torch.Tensor, pos_weight: torch.Tensor,
+                          positions: torch.Tensor | None, deterministic: bool) -> torch.Tensor:
     """token_weight[tokens] + segment_weight[segments] + pos_weight[0, position].
 
     ``deterministic`` only reaches the backward (the forward has no reduction).
@@ -586,11 +585,10 @@ def embedding_sum_fwd(tokens: torch.Tensor, segments: torch.Tensor, token_weight
     return _embedding_sum_fwd(tokens, segments, token_weight, segment_weight, pos_weight, positions)
 
 
-@triton_op("bert_fast::embedding_sum_bwd", mutates_args=())
-def embedding_sum_bwd(grad_out: torch.Tensor, tokens: torch.Tensor, segments: torch.Tensor,
-                      positions: torch.Tensor | None, n_tokens: int, n_segments: int, max_len: int,
-                      learn_pos_embedding: bool, deterministic: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _embedding_sum_bwd_op(grad_out: torch.Tensor, tokens: torch.Tensor, segments: torch.Tensor,
+                          positions: torch.Tensor | None, n_tokens: int, n_segments: int, max_len: int,
+                          learn_pos_embedding: bool, deterministic: bool
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(token_grad, segment_grad, pos_grad); pos_grad is empty unless learn_pos_embedding."""
     return _embedding_sum_bwd(grad_out, tokens, segments, positions, n_tokens, n_segments, max_len,
                               learn_pos_embedding, deterministic)
@@ -621,8 +619,16 @@ def _backward(ctx, grad_out):
     return (None, None, *_table_grads(ctx, backward_op, grad_out, ctx.needs_input_grad[2:5]), None, None)
 
 
-embedding_sum_fwd.register_autograd(_backward, setup_context=_setup_context)
-forbid_double_backward("bert_fast::embedding_sum_bwd", "embedding_sum")
+def _register_ops():
+    """The registered ops, embedding_sum_fwd and embedding_sum_bwd (at first use: deferred_ops)."""
+    global embedding_sum_fwd, embedding_sum_bwd
+    embedding_sum_fwd = triton_op("bert_fast::embedding_sum_fwd", mutates_args=())(_embedding_sum_fwd_op)
+    embedding_sum_bwd = triton_op("bert_fast::embedding_sum_bwd", mutates_args=())(_embedding_sum_bwd_op)
+    embedding_sum_fwd.register_autograd(_backward, setup_context=_setup_context)
+    forbid_double_backward("bert_fast::embedding_sum_bwd", "embedding_sum")
+
+
+__getattr__ = deferred_ops(__name__, _register_ops, "embedding_sum_fwd", "embedding_sum_bwd")
 
 
 # ----------------------------------------------------------------------------------------------
