@@ -6,10 +6,11 @@ from .cuda_graph import CudaGraphFallbackWarning, GraphedEncoder, capture_encode
 from .extension import build_extension
 from .modules import (FastAddNorm, FastBERTEncoder, FastBERTModel, FastEncoderBlock,
                       FastMultiHeadAttention, FastPositionWiseFFN)
+from .ops._autograd import register_ops
 
 __version__ = "0.1.0"
 
 __all__ = ["FastBERTEncoder", "FastBERTModel", "FastEncoderBlock", "FastMultiHeadAttention",
            "FastAddNorm", "FastPositionWiseFFN", "optimize", "capture_encoder", "GraphedEncoder",
            "clear_cuda_graphs", "cuda_graph_stats", "CudaGraphFallbackWarning", "build_extension", "ops",
-           "reference"]
+           "reference", "register_ops"]

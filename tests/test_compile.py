@@ -1,5 +1,9 @@
 """The fast modules under torch.compile (CPU: the fused-PyTorch path)."""
 
+import pathlib
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -259,13 +263,48 @@ def test_triton_ops_register_at_first_trace_in_a_fresh_process(tracer):
     """In a new interpreter: import and eager calls (every backend but torch) leave torch._dynamo
     unimported and the Triton ops unregistered; the first torch.compile(fullgraph) or jit.trace
     then registers them, and its graph holds them and matches eager."""
-    import pathlib
-    import subprocess
-    import sys
     backends = [b for b in available_backends() if b in ("triton", "cuda")]
     if not backends:
         pytest.skip("Triton is not installed")
+    _run_in_a_fresh_process(_FRESH_PROCESS, tracer.split(".")[-1], *backends)
+
+
+def _run_in_a_fresh_process(script, *args):
+    """Run ``script`` (which prints 'ok' last when its checks pass) in a new interpreter."""
     root = pathlib.Path(__file__).resolve().parent.parent
-    run = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, tracer.split(".")[-1], *backends], cwd=root,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0 and "fresh process: ok" in run.stdout, run.stdout + run.stderr[-3000:]
+    run = subprocess.run([sys.executable, "-c", script, *args], cwd=root, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.rstrip().endswith("ok"), run.stdout + run.stderr[-3000:]
+
+
+_LOAD_SAVED = """
+import sys
+import torch
+import bert_fast
+from tests.helpers import assert_close
+
+bert_fast.register_ops()
+folder = sys.argv[1]
+inputs = torch.load(f"{folder}/inputs.pt")
+expected = torch.load(f"{folder}/expected.pt")
+assert_close(torch.jit.load(f"{folder}/traced.pt")(*inputs), expected, atol=1e-5, what="torch.jit.load")
+assert_close(torch.export.load(f"{folder}/exported.pt2").module()(*inputs), expected, atol=1e-5,
+             what="torch.export.load")
+print("loaded: ok")
+"""
+
+
+def test_saved_programs_load_in_a_fresh_process_after_register_ops(tmp_path):
+    """A jit.traced and an exported encoder (backend triton) hold the registered ops by name; a
+    new process loads and runs them after bert_fast.register_ops() (README: Tracing)."""
+    if "triton" not in available_backends():
+        pytest.skip("Triton is not installed")
+    _, fast = encoder_pair(encoder_config(num_layers=1), backend="triton")
+    fast.eval()
+    tokens, segments = random_inputs(3, 9, 50)
+    inputs = (tokens, segments, torch.tensor([3, 0, 9]))
+    with torch.no_grad():
+        torch.jit.trace(fast, inputs, check_trace=False).save(str(tmp_path / "traced.pt"))
+        torch.export.save(torch.export.export(fast, inputs), str(tmp_path / "exported.pt2"))
+        torch.save(fast(*inputs), tmp_path / "expected.pt")
+    torch.save(inputs, tmp_path / "inputs.pt")
+    _run_in_a_fresh_process(_LOAD_SAVED, str(tmp_path))

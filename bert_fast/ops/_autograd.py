@@ -46,14 +46,18 @@ _registry_lock = threading.RLock()
 
 @compile_time_constant
 def register_ops():
-    """Register every Triton op with torch.library now, if not yet; True.
+    """Register bert_fast's Triton ops with torch.library now, if not yet; True.
 
     Deferred from import: ``torch.library.triton_op`` imports torch._inductor and torch._dynamo
-    (1.5-2 s on the CI machine's CPU, most of ``import bert_fast``) to look for the op's
-    kernels, and eager calls never use the registered ops (the thin path). They are registered
-    when use_registered_op() first says True, including while torch.compile traces (this runs
-    then as a compile-time constant, outside the trace), or when one is read from its module
-    (``bert_fast.ops.attention.attention_fwd``)."""
+    (1.5-2 s and ~70 MB on the CI machine's CPU, most of ``import bert_fast``) to look for the
+    op's kernels, and eager calls never use the registered ops (the thin path). They are
+    registered when use_registered_op() first says True, including while torch.compile or
+    torch.export traces (this runs then as a compile-time constant, outside the trace), or when
+    one is read from its module (``bert_fast.ops.attention.attention_fwd``).
+
+    Call it (``bert_fast.register_ops()``) before loading a saved program that calls the ops
+    (torch.jit.load, torch.export.load) in a process that has traced nothing: deserializing
+    looks the ops up by name and would not find them."""
     if all(_REGISTRARS.values()):
         return True
     with _registry_lock:
