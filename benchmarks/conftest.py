@@ -43,7 +43,8 @@ class BenchCase(NamedTuple):
 def bench_case(request):
     shape = request.param
     device = default_device()
-    models = build_models(shape.preset, torch.float32, device, seed=0, backends=bench_suite.default_backends(device))
+    models = build_models(shape.preset, torch.float32, device, seed=0, backends=bench_suite.default_backends(device),
+                          include_peers=True)
     inputs = make_inputs(shape.batch, shape.seq, shape.min_len_frac, models.config["vocab_size"],
                          seed=0, device=device)
     with torch.inference_mode():

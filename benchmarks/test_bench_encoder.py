@@ -9,7 +9,7 @@ fp32 eager reference.
 import pytest
 import torch
 
-from bert_fast.bench_common import METHOD_NAMES, first_call, max_error, synchronize
+from bert_fast.bench_common import METHOD_NAMES, PEER_NAMES, first_call, max_error, synchronize
 
 # The floor of the project's tolerance rule for fp32 (STYLE.md, Tests).
 FP32_TOLERANCE = 1e-4
@@ -19,7 +19,7 @@ BACKEND_METHODS = [f"{name}[{backend}]" for backend in ("torch", "triton", "cuda
                    for name in ("fast", "fast_skip_padding")]
 
 
-@pytest.mark.parametrize("method_name", [*METHOD_NAMES, *BACKEND_METHODS])
+@pytest.mark.parametrize("method_name", [*METHOD_NAMES, *PEER_NAMES, *BACKEND_METHODS])
 def test_encoder_forward(benchmark, bench_case, method_name):
     if method_name not in bench_case.models.methods:
         pytest.skip(f"{method_name}: not run here (backend unavailable, or the one \"auto\" picks)")

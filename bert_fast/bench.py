@@ -4,8 +4,13 @@ Runs, on the same weights and the same inputs:
 
   eager              bert_fast.reference.BERTEncoder, eval mode (the baseline)
   compile            torch.compile(reference encoder), default mode
+  torch_transformer  nn.TransformerEncoder's fused inference path, nested tensors (bert_fast.peers)
+  hf_sdpa            HF BertModel, attn_implementation="sdpa" (where transformers is installed)
   fast               FastBERTEncoder (exact mode)
   fast_skip_padding  FastBERTEncoder(skip_padding=True)
+
+Each row gives its speedup against eager and against the best peer: the fastest of the methods
+that are not bert_fast's (eager, compile and PyTorch's own fast paths) at that length.
 
 Shared machines are noisy, so the methods are timed interleaved: every round calls each
 method once (the order rotates from round to round), and the median and p90 come from the
@@ -109,17 +114,21 @@ def run_benchmark(models, *, batch, seqs, min_len_frac, seed, repeats, warmup, d
 
             seconds = time_interleaved(timed, inputs, device, rounds=repeats,
                                        untimed_rounds=warmup - 1, on_round=on_round)
-        baseline_median = (float(np.median(seconds[BASELINE])) if BASELINE in seconds else None)
+        medians = {name: float(np.median(times)) for name, times in seconds.items()}
+        peers = [method.name for method in timed if not method.ours]
+        best_peer = min(peers, key=medians.get) if peers else None
         for method in methods:
             error, first_seconds, skip_reason = first_calls[method.name]
             rows.append(_row(method, seq, inputs, error, first_seconds, skip_reason,
-                             seconds.get(method.name), baseline_median))
+                             seconds.get(method.name), medians.get(BASELINE), best_peer,
+                             medians.get(best_peer)))
     if progress:
         progress.close()
     return rows
 
 
-def _row(method, seq, inputs, error, first_seconds, skip_reason, seconds, baseline_median):
+def _row(method, seq, inputs, error, first_seconds, skip_reason, seconds, baseline_median, best_peer,
+         best_peer_median):
     batch = inputs.tokens.shape[0]
     valid_tokens = int(inputs.valid_lens.sum())
     row = dict(method=method.name, seq=seq, batch=batch, valid_tokens=valid_tokens,
@@ -131,6 +140,8 @@ def _row(method, seq, inputs, error, first_seconds, skip_reason, seconds, baseli
         latencies_ms=[1e3 * s for s in seconds], median_ms=1e3 * median, p90_ms=1e3 * p90,
         valid_tokens_per_s=valid_tokens / median, padded_tokens_per_s=batch * seq / median,
         speedup_vs_eager=(baseline_median / median) if baseline_median else None,
+        ours=method.ours, best_peer=best_peer,
+        speedup_vs_best_peer=(best_peer_median / median) if best_peer_median else None,
         max_abs_err=error,
         error_positions="valid" if method.valid_positions_only else "all")
     return row
@@ -138,17 +149,17 @@ def _row(method, seq, inputs, error, first_seconds, skip_reason, seconds, baseli
 
 def format_table(rows):
     """Plain-text table of the rows, with footnotes on what the columns count."""
-    header = ("method", "seq", "median ms", "p90 ms", "valid tok/s", "vs eager", "max abs err")
+    header = ("method", "seq", "median ms", "p90 ms", "valid tok/s", "vs eager", "vs best peer", "max abs err")
     lines = []
     for row in rows:
         if row["skipped"] is not None:
             lines.append((row["method"], str(row["seq"]), f"skipped: {row['skipped']}"))
             continue
         error = f"{row['max_abs_err']:.2e}" + ("*" if row["error_positions"] == "valid" else "")
-        speedup = row["speedup_vs_eager"]
+        speedups = (row["speedup_vs_eager"], row.get("speedup_vs_best_peer"))
         lines.append((row["method"], str(row["seq"]), f"{row['median_ms']:.1f}",
                       f"{row['p90_ms']:.1f}", f"{row['valid_tokens_per_s']:,.0f}",
-                      f"{speedup:.2f}x" if speedup is not None else "-", error))
+                      *(f"{speedup:.2f}x" if speedup is not None else "-" for speedup in speedups), error))
     full = [line for line in lines if len(line) == len(header)] + [header]
     widths = [max(len(line[i]) for line in full) for i in range(len(header))]
 
@@ -167,7 +178,8 @@ def format_table(rows):
         for seq in sorted({row["seq"] for row in timed}):
             row = next(r for r in timed if r["seq"] == seq)
             out.append(f"seq {seq}: {row['valid_tokens']} valid of {row['padded_tokens']} tokens "
-                       f"({100 * row['valid_tokens'] / row['padded_tokens']:.0f}%)")
+                       f"({100 * row['valid_tokens'] / row['padded_tokens']:.0f}%); best peer "
+                       f"{row.get('best_peer')}")
         out.append("max abs err: against an fp32 eager forward on the same weights; "
                    "* = valid positions only (padded outputs are zeros by design)")
     return "\n".join(out)
@@ -239,6 +251,9 @@ def build_parser():
     parser.add_argument("--no-compile", action="store_true",
                         help="leave out torch.compile of the reference (default: timed; compiling "
                              "base takes 10-30 s on a 2-core CPU)")
+    parser.add_argument("--no-peers", action="store_true",
+                        help="leave out PyTorch's own fast paths (nn.TransformerEncoder, HF BertModel "
+                             "with SDPA; default: timed, HF where transformers is installed)")
     parser.add_argument("--backends", nargs="+", default=["auto"], choices=BACKENDS,
                         help="FastBERTEncoder backends to time, each as its own methods "
                              "fast[BACKEND] and fast_skip_padding[BACKEND] (default: auto, the "
@@ -327,7 +342,8 @@ def main(argv=None):
     record_path = None if args.no_record else record_path_for(args.json, device)
     dtype = DTYPES[args.dtype]
     models = build_models(args.preset, dtype, device, seed=args.seed,
-                          include_compile=not args.no_compile, backends=args.backends)
+                          include_compile=not args.no_compile, backends=args.backends,
+                          include_peers=not args.no_peers)
     config = models.config
     print(f"preset {args.preset} (H {config['num_hiddens']}, {config['num_layers']} layers, "
           f"{config['num_heads']} heads, FFN {config['ffn_num_hiddens']}), batch {args.batch}, "

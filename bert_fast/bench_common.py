@@ -34,7 +34,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from . import extension, ops
+from . import extension, ops, peers
 from .backend import backend_for
 from .modules import FastBERTEncoder
 from .reference import BERTEncoder
@@ -53,6 +53,9 @@ PRESETS = {
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 METHOD_NAMES = ("eager", "compile", "fast", "fast_skip_padding")   # build_models' methods
+# PyTorch's own fast paths, with the reference's weights (bert_fast.peers): build_models'
+# methods with include_peers.
+PEER_NAMES = ("torch_transformer", "hf_sdpa")
 BASELINE = "eager"
 # The "kind" of a record of ``--suite gpu``. Main-job records (``--json``) carry no kind.
 SUITE_RECORD_KIND = "bert_fast.bench --suite gpu"
@@ -86,6 +89,9 @@ class Method:
     valid_positions_only: bool = False
     # A failure on the first call (compilation) skips the method instead of ending the run.
     may_fail: bool = False
+    # bert_fast's; the others (the reference, compiled or not, and the peers) are what it is
+    # measured against ("vs best peer": the fastest of them).
+    ours: bool = False
 
 
 class BenchModels(NamedTuple):
@@ -104,11 +110,13 @@ def fast_encoder_sharing(eager, config, **options):
     return fast.eval()
 
 
-def build_models(preset, dtype, device, *, seed=0, include_compile=True, backends=("auto",)):
+def build_models(preset, dtype, device, *, seed=0, include_compile=True, backends=("auto",),
+                 include_peers=False):
     """The benchmarked methods of one preset, all on the same weights, in eval mode.
 
     ``backends``: the FastBERTEncoder backends to time; methods of a backend other than "auto"
-    are named with it, e.g. "fast[cuda]".
+    are named with it, e.g. "fast[cuda]". ``include_peers``: also PyTorch's own fast paths
+    (PEER_NAMES, see peer_method).
 
     The reference is initialised on the CPU with ``seed`` (the same weights on every device),
     then moved. The fast encoders share the eager encoder's tensors (fast_encoder_sharing).
@@ -120,12 +128,40 @@ def build_models(preset, dtype, device, *, seed=0, include_compile=True, backend
     methods = {"eager": Method("eager", eager)}
     if include_compile:
         methods["compile"] = Method("compile", torch.compile(eager), may_fail=True)
+    for name in PEER_NAMES if include_peers else ():
+        methods[name] = peer_method(name, eager)
     for backend in backends:
         for name, skip_padding in (("fast", False), ("fast_skip_padding", True)):
             name = name if backend == "auto" else f"{name}[{backend}]"
             fast = fast_encoder_sharing(eager, config, skip_padding=skip_padding, backend=backend)
-            methods[name] = Method(name, fast, valid_positions_only=skip_padding)
+            methods[name] = Method(name, fast, valid_positions_only=skip_padding, ours=True)
     return BenchModels(methods, reference, config)
+
+
+def build_peer(name, encoder):
+    """(module, None) for the peer ``name`` of PEER_NAMES on a copy of ``encoder``'s weights, or
+    (None, why) where it cannot be built: "torch_transformer", nn.TransformerEncoder (its fused
+    inference path, nested tensors for the padding); "hf_sdpa", HF BertModel with SDPA
+    attention (None without transformers)."""
+    build = {"torch_transformer": peers.transformer_encoder_peer,
+             "hf_sdpa": lambda encoder: peers.hf_bert_peer(encoder, attn_implementation="sdpa")}[name]
+    try:
+        module = build(encoder)
+    except Exception as error:
+        return None, f"could not be built: {failure_reason(error)}"
+    return (module.eval(), None) if module is not None else (None, peers.hf_unavailable_reason())
+
+
+def peer_method(name, encoder):
+    """build_peer's peer as a Method, compared on valid positions only (the peers define padded
+    rows otherwise); one that cannot be built fails on its first call with the reason, which
+    the run reports as a skipped row."""
+    module, why = build_peer(name, encoder)
+    if module is None:
+        def unavailable(*inputs):
+            raise RuntimeError(why)
+        module = unavailable
+    return Method(name, module, valid_positions_only=True, may_fail=True)
 
 
 class EncoderInputs(NamedTuple):
@@ -385,20 +421,26 @@ def main_record_markdown(record):
         f"{model['num_heads']} heads, FFN {model['ffn_num_hiddens']}), batch {config['batch']}, "
         f"lengths uniform in [ceil({config['min_len_frac']} L), L], {config['dtype']}, {config['mode']}; "
         f"{config['repeats']} interleaved rounds.\nCommand: `{' '.join(record['command'])}`")
-    lines = ["| method | L | median ms | p90 ms | valid tok/s | vs eager | max abs err vs fp32 eager |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| method | L | median ms | p90 ms | valid tok/s | vs eager | vs best peer | max abs err vs fp32 eager |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in record["rows"]:
         if row["skipped"] is not None:
-            lines.append(f"| {row['method']} | {row['seq']} | skipped: {row['skipped']} | | | | |")
+            lines.append(f"| {row['method']} | {row['seq']} | skipped: {row['skipped']} | | | | | |")
             continue
-        speedup = row["speedup_vs_eager"]
+        # (records from before peers were timed have no best peer)
+        speedups = (row["speedup_vs_eager"], row.get("speedup_vs_best_peer"))
         error = f"{row['max_abs_err']:.1e}" + (" (valid positions)" if row["error_positions"] == "valid" else "")
-        lines.append(f"| {row['method']} | {row['seq']} | {row['median_ms']:.1f} | {row['p90_ms']:.1f} | "
+        name = f"**{row['method']}**" if row.get("ours") else row["method"]
+        lines.append(f"| {name} | {row['seq']} | {row['median_ms']:.1f} | {row['p90_ms']:.1f} | "
                      f"{row['valid_tokens_per_s']:,.0f} | "
-                     f"{'–' if speedup is None else f'{speedup:.2f}×'} | {error} |")
-    valid = {row["seq"]: row for row in record["rows"]}
+                     + " | ".join("–" if speedup is None else f"{speedup:.2f}×" for speedup in speedups)
+                     + f" | {error} |")
+    valid = {row["seq"]: row for row in record["rows"] if row["skipped"] is None}
     footnote = "Valid tokens: " + ", ".join(
-        f"L {seq}: {row['valid_tokens']} of {row['padded_tokens']}" for seq, row in sorted(valid.items()))
+        f"L {seq}: {row['valid_tokens']} of {row['padded_tokens']}" + (
+            f", best peer {row['best_peer']}" if row.get("best_peer") else "") for seq, row in sorted(valid.items()))
+    if any(row.get("ours") for row in record["rows"]):
+        footnote += ". Bold: bert_fast's methods; the best peer is the fastest of the others."
     return "\n\n".join([caption, "\n".join(lines), footnote])
 
 

@@ -67,9 +67,10 @@ from typing import Callable, NamedTuple, Optional
 import numpy as np
 import torch
 
+from . import peers
 from .backend import BACKENDS, backend_for, resolve_backend
-from .bench_common import (BASELINE, DTYPES, PRESETS, SUITE_RECORD_KIND, Method, Progress, add_record_options,
-                           build_models, default_device, encoder_config,
+from .bench_common import (BASELINE, DTYPES, PEER_NAMES, PRESETS, SUITE_RECORD_KIND, Method, Progress,
+                           add_record_options, build_models, build_peer, default_device, encoder_config,
                            environment_info, failure_reason, fast_encoder_sharing, figure_class,
                            first_call, group_markdown, make_inputs, max_error, plot_suite,
                            record_path_for, synchronize, time_interleaved, write_json)
@@ -123,7 +124,6 @@ PRECISION_NOTE = ("weights, activations, gradients and AdamW state all in the dt
 @dataclass
 class SuiteMethod(Method):
     may_fail: bool = True      # in the suite nothing ends the run: a failure is a skipped row
-    ours: bool = False         # bert_fast's; the others are the peers it is measured against
     unavailable: Optional[str] = None   # why it is not run here (a skipped row)
 
 
@@ -230,13 +230,6 @@ def compile_methods(module, options, ours=False, prefix="compile"):
 def peer_methods(encoder, dtype, device):
     """nn.TransformerEncoder and HF BertModel (sdpa) with the encoder's weights (bert_fast.peers),
     and (ours) that HF model after optimize()."""
-    try:
-        from . import peers
-    except Exception as error:      # not written yet, or broken: the run goes on without peers
-        why = f"bert_fast.peers unavailable ({failure_reason(error)})"
-        return [unavailable("torch_transformer", why), unavailable("hf_sdpa", why),
-                unavailable(HF_OPTIMIZE, why, ours=True), unavailable(HF_GRAPHS, why, ours=True)]
-
     def hf_optimized(**options):
         peer = peers.hf_bert_peer(encoder, attn_implementation="sdpa")
         return None if peer is None else optimize(peer, **options)
@@ -247,12 +240,17 @@ def peer_methods(encoder, dtype, device):
     else:
         hf_graphed = unavailable(HF_GRAPHS, "CUDA only (cuda_graphs=True replays CUDA graphs)", ours=True)
     return [
-        _peer_method("torch_transformer", lambda: peers.transformer_encoder_peer(encoder), dtype, device),
-        _peer_method("hf_sdpa", lambda: peers.hf_bert_peer(encoder, attn_implementation="sdpa"), dtype,
-                     device, missing=peers.hf_unavailable_reason),
+        *(_pytorch_peer(name, encoder, dtype, device) for name in PEER_NAMES),
         _peer_method(HF_OPTIMIZE, hf_optimized, dtype, device, missing=peers.hf_unavailable_reason, ours=True),
         hf_graphed,
     ]
+
+
+def _pytorch_peer(name, encoder, dtype, device):
+    module, why = build_peer(name, encoder)
+    if module is None:
+        return unavailable(name, why)
+    return SuiteMethod(name, module.to(device=device, dtype=dtype), valid_positions_only=True)
 
 
 def _peer_method(name, build, dtype, device, missing=None, ours=False):

@@ -16,7 +16,7 @@ STEP = re.compile(r"^\[(\d+)/(\d+)\] ", re.MULTILINE)
 TINY_RUN = ["--device", "cpu", "--preset", "small", "--batch", "2", "--seq", "8", "16",
             "--warmup", "2", "--repeats", "2", "--no-compile"]
 SHORT_RUN = ["--device", "cpu", "--preset", "small", "--batch", "2", "--seq", "8",
-             "--warmup", "1", "--repeats", "1", "--no-compile"]
+             "--warmup", "1", "--repeats", "1", "--no-compile", "--no-peers"]
 
 
 def steps_shown(stderr):
@@ -33,9 +33,10 @@ def test_main_job_counts_every_step_and_writes_its_record(tmp_path, monkeypatch,
     monkeypatch.chdir(tmp_path)
     bench.main(TINY_RUN)
     out, err = capsys.readouterr()
-    # eager, fast, fast_skip_padding: per length 3 first calls, 1 untimed and 2 timed rounds.
-    assert_counts_one_to_n(steps_shown(err), bench.count_steps(3, 2, warmup=2, repeats=2))
-    assert len(steps_shown(err)) == 2 * (3 + 1 + 2)
+    # eager, the two peers, fast, fast_skip_padding: per length 5 first calls (a peer that
+    # cannot be built, HF without transformers, is skipped there), 1 untimed and 2 timed rounds.
+    assert_counts_one_to_n(steps_shown(err), bench.count_steps(5, 2, warmup=2, repeats=2))
+    assert len(steps_shown(err)) == 2 * (5 + 1 + 2)
     [written] = re.findall(r"^wrote (.+)$", out, re.MULTILINE)
     path = tmp_path / written
     assert path.parent == tmp_path / "benchmarks" / "results"
@@ -43,8 +44,28 @@ def test_main_job_counts_every_step_and_writes_its_record(tmp_path, monkeypatch,
                         r"-\d{4}-\d\d-\d\dT\d{4}\.json", path.name), path.name
     record = bench_common.load_json(path)
     assert bench_common.is_main_record(record)
-    assert [row["seq"] for row in record["rows"]] == [8, 8, 8, 16, 16, 16]
+    assert [(row["method"], row["seq"]) for row in record["rows"]] == [
+        (method, seq) for seq in (8, 16) for method in ("eager", "torch_transformer", "hf_sdpa", "fast",
+                                                         "fast_skip_padding")]
+    for seq in (8, 16):
+        rows = {row["method"]: row for row in record["rows"] if row["seq"] == seq and row["skipped"] is None}
+        others = {name: row["median_ms"] for name, row in rows.items() if not row["ours"]}
+        assert "torch_transformer" in others and rows["fast"]["ours"]
+        best = min(others, key=others.get)
+        for row in rows.values():
+            assert row["best_peer"] == best
+            assert row["speedup_vs_best_peer"] == pytest.approx(others[best] / row["median_ms"])
+            assert row["max_abs_err"] <= 1e-4, row     # the peers run the reference's weights
     assert "JSON" not in out      # the footer names nothing the run did not write
+    assert "vs best peer" in out
+
+
+def test_no_peers_times_eager_and_ours_only(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    bench.main(SHORT_RUN + ["--json", "run.json"])
+    rows = bench_common.load_json(tmp_path / "run.json")["rows"]
+    assert [row["method"] for row in rows] == ["eager", "fast", "fast_skip_padding"]
+    assert all(row["best_peer"] == "eager" for row in rows)
 
 
 def test_a_second_run_does_not_overwrite_the_first(tmp_path, monkeypatch, capsys):
