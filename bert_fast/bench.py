@@ -44,9 +44,9 @@ from .bench_common import (BASELINE, DTYPES, PRESETS, Progress, build_models, de
                            table_from_files, time_interleaved, write_json)
 
 # Default lengths and rounds per preset. A forward of the small presets takes milliseconds, so
-# more rounds are cheap and the first ones still carry start-up effects; base (about 1.5 s a
-# forward on an idle 2-core CPU, 5 s a round of the 4 methods, plus 10-30 s to compile) keeps
-# the default run near 1 minute (48 s measured on an idle AMD EPYC 2-core VM, 2026-11-23).
+# more rounds are cheap and the first ones still carry start-up effects; base (about 1 s a
+# forward on an idle 2-core CPU, 6 s a round of the 6 methods, plus 10-30 s to compile) keeps
+# the default run near 1.5 minutes (77 s measured on an idle AMD EPYC 2-core VM, 2026-11-25).
 RUN_DEFAULTS = {
     "demo": dict(seqs=[32, 128], repeats=30, warmup=3),
     "small": dict(seqs=[64, 128], repeats=30, warmup=3),
@@ -222,11 +222,12 @@ def build_parser():
     parser = argparse.ArgumentParser(
         prog="python -m bert_fast.bench",
         description="Time the reference BERT encoder (eager, and compiled with torch.compile) "
+                    "and PyTorch's own fast paths (nn.TransformerEncoder, HF BertModel with SDPA) "
                     "against FastBERTEncoder (exact and skip_padding, per backend) on the same "
                     "weights and inputs, in eval mode, on the GPU if there is one, else on the "
                     "CPU; print a table and write a record of the run (JSON).",
-        epilog="The default run (base, batch 8, L 128) takes about 1 minute on an idle 2-core "
-               "CPU, more on a busy one: mostly its 10 timed rounds (4 forwards each), then "
+        epilog="The default run (base, batch 8, L 128) takes about 1.5 minutes on an idle 2-core "
+               "CPU, more on a busy one: mostly its 10 timed rounds (6 forwards each), then "
                "compiling the reference. Progress goes to stderr as numbered steps: per length, "
                "each method's first call, then each round.")
     parser.add_argument("--preset", choices=PRESETS, default="base",
