@@ -49,7 +49,7 @@ def register_ops():
     """Register bert_fast's Triton ops with torch.library now, if not yet; True.
 
     Deferred from import: ``torch.library.triton_op`` imports torch._inductor and torch._dynamo
-    (1.5-2 s and ~70 MB on the CI machine's CPU, most of ``import bert_fast``) to look for the
+    (1.5-2 s and 60-70 MB on the CI machine's CPU, most of ``import bert_fast``) to look for the
     op's kernels, and eager calls never use the registered ops (the thin path). They are
     registered when use_registered_op() first says True, including while torch.compile or
     torch.export traces (this runs then as a compile-time constant, outside the trace), or when
