@@ -8,6 +8,15 @@
 #   bash scripts/gpu_session.sh suite-base host-skip-padding   # call 3: the matrix, BERT-base bf16 ...
 #   bash scripts/gpu_session.sh suite-base-fp16 suite-large suite-train
 #
+# A 15-minute lease (one start, ~9 minutes of commands, a short second call while warm):
+#
+#   STEP_TIMEOUT=120 bash scripts/gpu_session.sh build; SUITE_ARGS=--no-autotune STEP_TIMEOUT=270 \
+#       bash scripts/gpu_session.sh suite-base; STEP_TIMEOUT=150 bash scripts/gpu_session.sh suite-train
+#   STEP_TIMEOUT=150 bash scripts/gpu_session.sh tests-gpu; STEP_TIMEOUT=40 bash scripts/gpu_session.sh host
+#
+# STEP_TIMEOUT=S interrupts a step after S seconds (SIGINT: pytest prints what ran, and the
+# suite's record keeps every shape it finished); SUITE_ARGS are added to every suite step.
+#
 # Logs and records go to $OUT (the device tool brings that folder back, 8 files a call: each
 # step writes a log and at most one record or report), else benchmarks/results.
 # A step that fails is reported and the next one runs; the exit status is the number of failures.
@@ -25,14 +34,15 @@ failures=0
 run() {     # run NAME COMMAND...: the command's output to the terminal and to $results/NAME.log
     echo "== $1: ${*:2}"
     local start=$SECONDS
-    "${@:2}" 2>&1 | tee "$results/$stamp-$1.log"
+    timeout -s INT -k 20 "${STEP_TIMEOUT:-0}" "${@:2}" 2>&1 | tee "$results/$stamp-$1.log"
     local status=${PIPESTATUS[0]}
     echo "== $1: exit $status after $((SECONDS - start)) s"
     [ "$status" -eq 0 ] || failures=$((failures + 1))
 }
 
 suite() {   # suite NAME ARGS...: one part of the matrix, its own record
-    run "$1" python -m bert_fast.bench --suite gpu --json "$results/$stamp-$1.json" "${@:2}"
+    # shellcheck disable=SC2086  # SUITE_ARGS is a list of options
+    run "$1" python -m bert_fast.bench --suite gpu --json "$results/$stamp-$1.json" "${@:2}" ${SUITE_ARGS:-}
 }
 
 for step in "$@"; do
@@ -41,6 +51,29 @@ for step in "$@"; do
         # --no-deps: the device machine has no registry access (torch, triton, ninja are there).
         run install env MAX_JOBS=$(nproc) pip install --no-build-isolation --no-deps -e .
         run info python -m bert_fast.info --require-extension ;;
+    build)
+        # The extension in place, for Hopper only (half the compile of the default "8.0;9.0").
+        run build env BERT_FAST_CUDA_ARCHS="${BERT_FAST_CUDA_ARCHS:-9.0}" MAX_JOBS=$(nproc) \
+            python3 setup.py build_ext --inplace
+        run info python -m bert_fast.info --require-extension ;;
+    tests-gpu)
+        # The GPU-only tests and the files of the paths that are new since the last GPU run
+        # (thin launch path, automatic CUDA graphs): the part of the suite a short lease can run.
+        parallel=()
+        python -c "import xdist" 2>/dev/null && parallel=(-n "${GPU_TEST_WORKERS:-8}")
+        run tests-gpu python -m pytest -q -rfE -p no:cacheprovider "${parallel[@]}" --durations=15 \
+            --junitxml "$results/$stamp-tests-gpu.xml" tests/test_cuda_graph.py tests/test_launch.py \
+            tests/test_attention_triton.py::test_gpu_real_sizes_vs_torch_path \
+            tests/test_attention_triton.py::test_gpu_varlen_vs_torch_path \
+            tests/test_attention_triton.py::test_gpu_dropout_keep_rate_and_compile \
+            tests/test_add_layernorm_triton.py::test_gpu_kernels_match_torch \
+            tests/test_add_layernorm_triton.py::test_gpu_dropout \
+            tests/test_add_layernorm_triton.py::test_gpu_public_function_and_compile_match_torch_backend \
+            tests/test_bias_act_triton.py::test_gpu_linear_act_and_compile_match_torch_backend \
+            tests/test_embedding_triton.py::test_gpu_deterministic_backward_is_bitwise_repeatable \
+            tests/test_embedding_triton.py::test_gpu_public_function_and_compile_match_torch_backend \
+            tests/test_compile.py::test_gpu_compiled_modes_match_eager \
+            tests/test_hf.py::test_gpu_forward_and_gradients_match_hf ;;
     tests)
         # Every test, the GPU-only ones included, in parallel where pytest-xdist is installed
         # (GPU_TEST_WORKERS, default 8: the 2026-11-23 H100 run's 15 workers mostly waited on
@@ -88,7 +121,7 @@ for step in "$@"; do
             --matrix-preset base --matrix-dtype bfloat16 -k "not max_autotune" \
             --matrix-record "$results/$stamp-matrix.json" --benchmark-json "$results/$stamp-matrix-benchmark.json" ;;
     *)
-        echo "unknown step '$step' (install tests sanitize kernels host host-skip-padding suite-base suite-base-fp16 suite-large" \
+        echo "unknown step '$step' (install build tests tests-gpu sanitize kernels host host-skip-padding suite-base suite-base-fp16 suite-large" \
              "suite-train matrix)" >&2
         failures=$((failures + 1)) ;;
     esac
