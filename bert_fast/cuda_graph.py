@@ -243,7 +243,9 @@ def end_failed_capture(device, pool):
     is still under way and the next empty_cache(), which every torch.cuda.graph entry calls,
     fails an internal assert, so no later capture could succeed. Where capture_end did tell it,
     this call raises "not currently recording" and is ignored. Also used by kernel_bench.
-    The synchronize reports, and so clears, a non-sticky capture error."""
+    The synchronize reports, and so clears, a non-sticky capture error. The failed capture's
+    pool itself may still be refused afterwards (torch 2.11, H200, 2026-11-26: "beginAllocateToPool:
+    already recording to mempool_id"): capture into a new pool after a failure."""
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
     if end is not None:
         try:
@@ -888,8 +890,16 @@ def _capture(calls, state, key, bucket, inputs, limit):
     if state.pool is None:
         state.pool = _steps.new_pool(device)
     state.stats["captures"] += 1
-    with torch.inference_mode():
-        entry.graph, entry.output = _steps.capture(run, device, state.pool)
+    try:
+        with torch.inference_mode():
+            entry.graph, entry.output = _steps.capture(run, device, state.pool)
+    except BaseException:
+        # The allocator may refuse the pool of a failed capture ("beginAllocateToPool: already
+        # recording to mempool_id": torch 2.11 on an H200, 2026-11-26, after end_failed_capture),
+        # so every later capture would fail too; later buckets get a new pool (graphs already
+        # held keep theirs). tests/test_cuda_graph.py: test_auto_graph_failed_capture_leaves_cuda_usable.
+        state.pool = None
+        raise
     state.graphs[key] = entry
     return entry
 

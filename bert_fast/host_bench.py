@@ -94,8 +94,10 @@ class _LaunchCounter:
 
 
 def gpu_path_available(device):
-    """Whether the GPU_PATH row can run: CPU tensors, and Triton installed."""
-    return device.type == "cpu" and _triton.HAS_TRITON
+    """Whether the GPU_PATH row can run: CPU tensors, Triton installed, and no CUDA device. Where
+    there is one, its own path is what to time (--device cuda); and a kernel that process has
+    loaded on the GPU keeps its real launcher, which gpu_launch_path then calls on CPU pointers."""
+    return device.type == "cpu" and _triton.HAS_TRITON and not torch.cuda.is_available()
 
 
 # The GPU the GPU_PATH row compiles its kernels for (H100), when Triton's launcher is included.
@@ -345,7 +347,7 @@ def build_parser():
     parser.add_argument("--gpu-path", action=argparse.BooleanOptionalAction, default=None,
                         help=f"the row '{GPU_PATH}': the triton backend's GPU eager path on CPU tensors, "
                              "Triton's kernel launches counted instead of run (default: on where the device "
-                             "is the CPU and Triton is installed)")
+                             "is the CPU, Triton is installed and there is no CUDA GPU)")
     parser.add_argument("--skip-padding", action="store_true",
                         help="FastBERTEncoder's skip_padding for every fast row (the reference computes "
                              "every token; default: off)")
@@ -373,7 +375,8 @@ def parse_args(argv):
     if options.gpu_path is None:
         options.gpu_path = gpu_path_available(options.device)
     elif options.gpu_path and not gpu_path_available(options.device):
-        parser.error("--gpu-path runs on the CPU (a GPU runs the real path) and needs Triton installed")
+        parser.error("--gpu-path runs on a machine without a CUDA GPU (where there is one, time its real "
+                     "path: --device cuda) with --device cpu, and needs Triton installed")
     for backend in options.backends:
         try:
             resolve_backend(backend)

@@ -135,6 +135,7 @@ class StubSteps:
         self.attempts = self.replays = 0
         self.active = False
         self.inference_mode_at_capture = []
+        self.pools = []         # the pool of every capture attempt
 
     def supports(self, device):
         return True
@@ -150,6 +151,7 @@ class StubSteps:
 
     def capture(self, run, device, pool):
         self.attempts += 1
+        self.pools.append(pool)
         self.inference_mode_at_capture.append(torch.is_inference_mode_enabled())
         if self.fail:
             raise RuntimeError("simulated capture failure\nsecond line")

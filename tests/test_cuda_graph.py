@@ -907,6 +907,25 @@ def test_failed_capture_runs_eagerly_and_is_not_retried(stub):
     assert stub.attempts == 3 and len(cuda_graph_stats(encoder)["buckets"]) == 1
 
 
+def test_capture_after_a_failed_one_uses_a_new_pool(stub):
+    """The allocator may refuse a failed capture's pool ("already recording to mempool_id", torch
+    2.11 on an H200): captures share one pool until one fails, and the next one gets a new pool;
+    the graph held from before still replays."""
+    encoder = auto_encoder()
+    call_bucket(encoder, 40)
+    call_bucket(encoder, 80)
+    stub.fail = True
+    with pytest.warns(CudaGraphFallbackWarning):
+        call_bucket(encoder, 120)
+    stub.fail = False
+    call_bucket(encoder, 160)
+    call_bucket(encoder, 40)
+    first, second, failed, after = stub.pools
+    assert first is second is failed and after is not failed
+    stats = cuda_graph_stats(encoder)
+    assert len(stats["buckets"]) == 3 and len(stats["failed"]) == 1 and stats["replays"] == 4, stats
+
+
 def test_failure_of_the_forward_itself_propagates(stub, monkeypatch):
     """A capture that fails because the forward fails: the eager call fails too and raises;
     the bucket is not marked failed (the inputs, not the graph, were the problem)."""
@@ -1071,7 +1090,7 @@ def test_auto_graph_failed_capture_leaves_cuda_usable(monkeypatch):
     torch.cuda.synchronize()          # still believes a capture is under way
     assert_graphed_within_rule(reference, encoder, auto_gpu_inputs(B, 60, "1d_int_pos"), "next bucket")
     stats = cuda_graph_stats(encoder)
-    assert stats["captures"] == 2 and len(stats["buckets"]) == 1 and stats["replays"] == 1
+    assert stats["captures"] == 2 and len(stats["buckets"]) == 1 and stats["replays"] == 1, stats
 
 
 @needs_cuda

@@ -221,6 +221,7 @@ def test_eager_launches_are_the_ones_tritons_launcher_makes(tmp_path):
     assert tally["first"] < tally["launches"] / 2, tally       # most launches came from the cache
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU path row is for machines without a GPU")
 @pytest.mark.parametrize("skip_padding", [False, True])
 def test_host_benchmark_times_the_gpu_path(capsys, skip_padding, monkeypatch):
     built, build = [], host_bench.build_models
@@ -283,6 +284,9 @@ def test_gpu_kept_kernel_launches_match_tritons_launcher(dtype, monkeypatch):
             patch.setattr(_triton, "eager_launcher", lambda kernel: kernel)     # Triton's launcher
             tritons = run(valid_lens)
         for index, (a, b) in enumerate(zip(kept, tritons)):
+            if a is None or b is None:      # pos_embedding: read through .data, as the book does
+                assert a is None and b is None, index
+                continue
             assert a.shape == b.shape, index
             if index < 2:
                 assert torch.equal(a, b), f"output {index} differs"
