@@ -894,10 +894,8 @@ def _capture(calls, state, key, bucket, inputs, limit):
         with torch.inference_mode():
             entry.graph, entry.output = _steps.capture(run, device, state.pool)
     except BaseException:
-        # The allocator may refuse the pool of a failed capture ("beginAllocateToPool: already
-        # recording to mempool_id": torch 2.11 on an H200, 2026-11-26, after end_failed_capture),
-        # so every later capture would fail too; later buckets get a new pool (graphs already
-        # held keep theirs). tests/test_cuda_graph.py: test_auto_graph_failed_capture_leaves_cuda_usable.
+        # Later captures into a failed capture's pool can fail too (see end_failed_capture):
+        # later buckets take a new pool; the graphs already held keep theirs.
         state.pool = None
         raise
     state.graphs[key] = entry

@@ -375,8 +375,8 @@ def parse_args(argv):
     if options.gpu_path is None:
         options.gpu_path = gpu_path_available(options.device)
     elif options.gpu_path and not gpu_path_available(options.device):
-        parser.error("--gpu-path runs on a machine without a CUDA GPU (where there is one, time its real "
-                     "path: --device cuda) with --device cpu, and needs Triton installed")
+        parser.error("--gpu-path needs --device cpu, Triton installed and a machine without a CUDA GPU "
+                     "(where there is one, time its real path: --device cuda)")
     for backend in options.backends:
         try:
             resolve_backend(backend)

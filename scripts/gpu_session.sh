@@ -67,7 +67,7 @@ for step in "$@"; do
     build)
         # The extension in place, for Hopper only (half the compile of the default "8.0;9.0").
         run build env BERT_FAST_CUDA_ARCHS="${BERT_FAST_CUDA_ARCHS:-9.0}" MAX_JOBS=$(nproc) \
-            python3 setup.py build_ext --inplace
+            python setup.py build_ext --inplace
         run info python -m bert_fast.info --require-extension ;;
     tests-gpu)
         # The GPU-only tests and the files of the paths that are new since the last GPU run
