@@ -44,8 +44,17 @@ rows get length 0, extra query rows of 2-D lengths 0, extra tokens and segments 
 output's [:B, :L] is returned as a fresh tensor (the graph's own output is overwritten by the
 next replay). One exception: in exact mode a row that sees no key (valid_len <= 0 or NaN)
 attends uniformly to all L keys, so padding L would change it. A call with valid_lens whose L
-is not a bucket length therefore reads on the host whether every row sees a key (one sync) and
-runs at its exact L when one does not; pad batches to bucket lengths to skip that read.
+is not a bucket length therefore reads on the host whether every row sees a key (the call's
+one host read, below) and runs at its exact L when one does not; pad batches to bucket lengths
+to skip that read.
+
+Staging. A call's inputs reach the static buffers of its (B_b, L_b) (shared by the graphs of
+that shape) through one kernel on CUDA (bert_fast/ops/graph_inputs.py; PyTorch copies where
+Triton is missing), which also reduces what the host may need to know: the id ranges and NaN
+lengths (the input check), the valid-token count (skip_padding), whether some row sees no key.
+The host reads those in one sync, and only when it needs one of them: with check_inputs on
+(FastBERTEncoder's default), with skip_padding and valid_lens, or in exact mode with valid_lens
+at an L between buckets. A bad value raises the eager check's ValueError before any replay.
 
 skip_padding. One host read per call of the number N of valid tokens (``float32(j) <
 valid_len``), rounded up by ``bucket_tokens`` (multiples of 16 up to 128, then 4 per octave,
@@ -95,12 +104,14 @@ captures and given warnings); ``torch.cuda.empty_cache()`` then returns the memo
 driver. ``cuda_graph_stats(encoder)`` shows the buckets held and counts captures, replays,
 evictions, invalidations and eager calls.
 
-Per call, a replay costs on the host: the snapshot check above, the input check when
-``encoder.check_inputs`` (run eagerly before the replay, one sync; turned off during capture),
-the host read of skip_padding, or of exact calls with valid_lens at an L between buckets, three
-or four small copies into the static buffers, the replay and the output copy. Measured on the
-CI machine's CPU with the replay stubbed out (12 layers, B1 L128, check_inputs=False): 47 us per
-call with 1-D valid_lens, 58 us with skip_padding's count; on a GPU each copy adds a launch.
+Per call, a replay costs on the host: the snapshot check above, the input check of shapes and
+dtypes (no tensor op), the staging launch and its one host read when needed (above), the
+replay and the output copy: 3 launches, and one sync where a value is read. Measured on the CI
+machine's CPU with the replay stubbed out and the GPU's path for the staging (12 layers, B1
+L128, 1-D valid_lens; the Triton launch compiled for sm_90, counted instead of run; the script
+/tmp-free in benchmarks/results/cpu-2core-2026-11-26-graph-call.md): 84-88 us per call, 2-4 ATen
+ops and one Triton launch, against 78-137 us and 8-20 ATen ops (each a launch on a GPU) when
+the inputs were copied and checked with PyTorch ops (before 2026-11-26).
 
 One caller at a time per encoder: calls share the encoder's static buffers and its graphs'
 pool, so two threads must not call the same encoder at once (give each thread its own);
@@ -166,6 +177,8 @@ import torch
 from torch import nn
 
 from .backend import backend_for
+from .checks import check_encoder_shapes
+from .ops import graph_inputs
 from .reference import BERTModel
 
 __all__ = ["capture_encoder", "GraphedEncoder", "graphed_forward", "clear_cuda_graphs", "cuda_graph_stats",
@@ -567,16 +580,16 @@ def _tensors(output):
     return [t for t in items if t is not None]
 
 
-class _BucketGraph:
-    """One captured bucket: the graph, the static buffers it reads and the output it writes.
-    ``buffers``: the call's three inputs (ids, segments, lengths; see _Calls) padded to the
-    bucket. ``filled``: the (B, L) they hold (the rest is zeros); ``defaults``: the indices of
-    the inputs last given as None whose default the buffers hold for that B and L, so the next
-    such call writes nothing there."""
+class _InputSlot:
+    """The static inputs of one padded shape: ``buffers`` (ids, segments, lengths; see _Calls),
+    read by every graph of that shape (skip_padding's token buckets share them), and ``stats``,
+    where the staging kernel writes what the host may read (ops.graph_inputs.STATS).
+    ``filled``: the (B, L) the buffers hold (the rest is zeros; "all" after the kernel, which
+    writes every element); ``defaults``: the indices of the inputs last given as None whose
+    default the buffers hold for that B and L, so the next such call writes nothing there."""
 
-    def __init__(self, buffers):
-        self.buffers = buffers
-        self.graph = self.output = None
+    def __init__(self, buffers, stats):
+        self.buffers, self.stats = buffers, stats
         self.filled, self.defaults = None, set()
 
     def _default(self, index, region, value):
@@ -585,8 +598,8 @@ class _BucketGraph:
             self.defaults.add(index)
 
     def fill(self, inputs, full_lengths, clamp):
-        """Copy the inputs into the buffers' top-left corner: None segments are zeros, None lengths
-        ``full_lengths`` (every token valid); ``clamp`` caps the lengths at L."""
+        """Copy the inputs into the buffers' top-left corner with PyTorch ops: None segments are
+        zeros, None lengths ``full_lengths`` (every token valid); ``clamp`` caps the lengths at L."""
         ids, segments, lengths = inputs
         batch, seqlen = ids.shape
         if self.filled != (batch, seqlen):
@@ -610,14 +623,38 @@ class _BucketGraph:
         if clamp:                          # padded keys invisible: float32(j) < L <= j
             region.clamp_(max=seqlen)
 
+    def stage(self, inputs, full_lengths, clamp, values=False, tokens=False, keyless=False):
+        """fill(), by one kernel launch where graph_inputs.uses_kernel. Returns the STATS tensor
+        (on the inputs' device), of which the parts asked for (graph_inputs.input_stats' flags)
+        are valid (the kernel computes them all, always), or None if none is asked for."""
+        ids, segments, lengths = inputs
+        if graph_inputs.uses_kernel(ids):
+            self.filled = "all"
+            return graph_inputs.stage_inputs(inputs, self.buffers, self.stats, full_length=full_lengths, clamp=clamp)
+        self.fill(inputs, full_lengths, clamp)
+        if not (values or tokens or keyless):
+            return None
+        return graph_inputs.input_stats(self.buffers, *ids.shape, has_segments=segments is not None,
+                                        has_lengths=lengths is not None, values=values, tokens=tokens, keyless=keyless)
+
+
+class _BucketGraph:
+    """One captured bucket: the graph, the output it writes, and the _InputSlot it reads."""
+
+    def __init__(self, slot):
+        self.slot = slot
+        self.graph = self.output = None
+
 
 class _EncoderGraphs:
-    """An encoder's graphs (LRU order), failed keys, warnings given, parameter snapshot, pool,
-    last replay stream and counters. Kept beside the encoder (a weak-keyed table), not on it,
-    so that deepcopy, pickling and state_dict never meet a CUDAGraph; it references no module."""
+    """An encoder's graphs (LRU order), their input slots, failed keys, warnings given, parameter
+    snapshot, pool, last replay stream and counters. Kept beside the encoder (a weak-keyed
+    table), not on it, so that deepcopy, pickling and state_dict never meet a CUDAGraph; it
+    references no module."""
 
     def __init__(self):
         self.graphs = collections.OrderedDict()
+        self.slots = {}
         self.failed = set()
         self.warned = set()
         self.snapshot = None
@@ -625,24 +662,48 @@ class _EncoderGraphs:
         self.stream = None
         self.stats = collections.Counter()
 
-    def retire(self, entry):
-        """Let the allocator reuse a dropped entry's buffers only once the last replay's stream is
-        done with them: they belong to the stream of the capture, and replays may have run on
+    def slot(self, bucket, ids_dtype, segments_dtype, device):
+        """The _InputSlot of a bucket's padded shape, made on first use (zeros)."""
+        key = (bucket.batch, bucket.seqlen, bucket.lengths_shape, bucket.lengths_dtype, ids_dtype, segments_dtype,
+               device)
+        slot = self.slots.get(key)
+        if slot is None:
+            shape = (bucket.batch, bucket.seqlen)
+            # Ordinary tensors even in inference mode: every call copies into them (see capture_encoder).
+            with torch.inference_mode(False):
+                slot = self.slots[key] = _InputSlot(
+                    (torch.zeros(shape, dtype=ids_dtype, device=device),
+                     torch.zeros(shape, dtype=segments_dtype, device=device),
+                     torch.zeros(bucket.lengths_shape, dtype=bucket.lengths_dtype, device=device)),
+                    torch.zeros(len(graph_inputs.STATS), dtype=torch.int64, device=device))
+        return slot
+
+    def retire(self, tensors):
+        """Let the allocator reuse dropped buffers only once the last replay's stream is done
+        with them: they belong to the stream of the capture, and replays may have run on
         another one since (a no-op when it is the same stream)."""
         if self.stream is not None:
             with torch.inference_mode():     # the output is an inference tensor; record_stream's schema mutates
-                for t in (*entry.buffers, *_tensors(entry.output)):
+                for t in tensors:
                     t.record_stream(self.stream)
+
+    def prune_slots(self):
+        """Drop the slots that no graph reads (an evicted bucket's, a failed capture's)."""
+        used = {id(entry.slot) for entry in self.graphs.values()}
+        for key in [key for key, slot in self.slots.items() if id(slot) not in used]:
+            slot = self.slots.pop(key)
+            self.retire((*slot.buffers, slot.stats))
 
     def evict_least_recent(self):
         _, entry = self.graphs.popitem(last=False)
-        self.retire(entry)
+        self.retire(_tensors(entry.output))
         self.stats["evictions"] += 1
 
     def drop_graphs(self):
         for entry in self.graphs.values():
-            self.retire(entry)
+            self.retire(_tensors(entry.output))
         self.graphs.clear()
+        self.prune_slots()
         self.pool = self.stream = None
 
 
@@ -761,11 +822,19 @@ class _Calls:
         return True
 
     def validate(self, inputs):
-        """The module's input check, eagerly before a replay."""
+        """The module's checks that read no values (shapes, dtypes), before a replay."""
 
     def plan(self, inputs):
-        """The call's _Bucket (at most one host read)."""
+        """The call's _Bucket (at most one host read; stage() may still change it)."""
         raise NotImplementedError
+
+    def stage(self, slot_for, bucket, inputs):
+        """Write the inputs into the static buffers of ``slot_for(bucket)`` (an _InputSlot);
+        returns (the call's bucket, its slot). A module that checks values, or whose bucket
+        depends on them, reads them here (one host read) and raises or rebuckets."""
+        slot = slot_for(bucket)
+        slot.fill(inputs, *self.fill_args(bucket, inputs))
+        return bucket, slot
 
     def settings(self, device):
         """What the captured work depends on beyond the shapes, global switches and ids' dtypes."""
@@ -816,8 +885,10 @@ class _EncoderCalls(_Calls):
                     or encoder.pos_embedding.device != tokens.device)
 
     def validate(self, inputs):
-        if self.module.check_inputs:
-            self.module.validate_inputs(*inputs)
+        tokens, segments, valid_lens = inputs
+        positions = self.module.pos_embedding
+        check_encoder_shapes(tokens, segments, valid_lens, max_len=positions.shape[1], device=positions.device,
+                             skip_padding=self.module.skip_padding)
 
     def plan(self, inputs):
         tokens, _, valid_lens = inputs
@@ -825,19 +896,42 @@ class _EncoderCalls(_Calls):
         batch, seqlen = tokens.shape
         padded_batch = bucket_batch(batch)
         padded_seqlen = bucket_seqlen(seqlen, encoder.pos_embedding.shape[1])
-        num_tokens = None
-        if encoder.skip_padding:
-            if valid_lens is None:
-                count = batch * seqlen
-            else:
-                positions = torch.arange(seqlen, dtype=torch.float32, device=valid_lens.device)
-                count = int((positions < valid_lens[:, None]).sum())       # the one host read
-            num_tokens = bucket_tokens(count, padded_batch * padded_seqlen)
-        elif valid_lens is not None and padded_seqlen > seqlen and not bool((valid_lens > 0).all()):
-            padded_seqlen = seqlen     # a row that sees no key attends to all L keys: keep L exact
+        num_tokens = None           # skip_padding with valid_lens: counted by stage()
+        if encoder.skip_padding and valid_lens is None:
+            num_tokens = bucket_tokens(batch * seqlen, padded_batch * padded_seqlen)
         dtype = _lengths_dtype(valid_lens)
         shape = (padded_batch,) if valid_lens is None or valid_lens.dim() == 1 else (padded_batch, padded_seqlen)
         return _Bucket(padded_batch, padded_seqlen, num_tokens, shape, dtype)
+
+    def stage(self, slot_for, bucket, inputs):
+        """One staging launch (graph_inputs.stage_inputs) and at most one host read of its
+        stats, for what needs the values: the input check (check_inputs), skip_padding's token
+        count, and in exact mode at a padded L whether some row sees no key (then L stays exact:
+        such a row attends to all L keys, which padding L would change)."""
+        tokens, _, valid_lens = inputs
+        encoder = self.module
+        seqlen = tokens.shape[1]
+        check = encoder.check_inputs
+        count = encoder.skip_padding and valid_lens is not None
+        keyless_matters = not encoder.skip_padding and valid_lens is not None and bucket.seqlen > seqlen
+        slot = slot_for(bucket)
+        stats = slot.stage(inputs, *self.fill_args(bucket, inputs), values=check, tokens=count,
+                           keyless=keyless_matters)
+        if not (check or count or keyless_matters):
+            return bucket, slot
+        stats = dict(zip(graph_inputs.STATS, stats.tolist()))        # the one host read
+        if check and not (0 <= stats["token_min"] and stats["token_max"] < encoder.token_embedding.num_embeddings
+                          and 0 <= stats["segment_min"] and stats["segment_max"] <= 1 and not stats["nan_lengths"]):
+            encoder.validate_inputs(*inputs)          # raises the eager check's message
+            raise ValueError(f"invalid encoder inputs: {stats}")     # (unreachable: the check above agrees)
+        if count:
+            bucket = bucket._replace(num_tokens=bucket_tokens(stats["valid_tokens"], bucket.batch * bucket.seqlen))
+        elif keyless_matters and stats["keyless"]:
+            lengths_shape = bucket.lengths_shape if len(bucket.lengths_shape) == 1 else (bucket.batch, seqlen)
+            bucket = bucket._replace(seqlen=seqlen, lengths_shape=lengths_shape)
+            slot = slot_for(bucket)
+            slot.stage(inputs, *self.fill_args(bucket, inputs))
+        return bucket, slot
 
     def settings(self, device):
         encoder = self.module
@@ -866,27 +960,21 @@ def _max_graphs(encoder):
     return limit
 
 
-def _capture(calls, state, key, bucket, inputs, limit):
-    """Capture ``key``'s graph (evicting the least recently used down to ``limit`` - 1) and keep
-    it; returns the entry. Raises what warmup or capture raised; nothing is kept then."""
+def _capture(calls, state, key, slot, limit, num_tokens):
+    """Capture ``key``'s graph on ``slot``'s buffers (evicting the least recently used down to
+    ``limit`` - 1) and keep it; returns the entry. Raises what warmup or capture raised; nothing
+    is kept then."""
     while len(state.graphs) >= limit:
         state.evict_least_recent()
-    ids, segments, _ = inputs
-    device = ids.device
-    shape = (bucket.batch, bucket.seqlen)
-    # Ordinary tensors even in inference mode: every call copies into them (see capture_encoder).
-    with torch.inference_mode(False):
-        entry = _BucketGraph((torch.zeros(shape, dtype=ids.dtype, device=device),
-                              torch.zeros(shape, dtype=(ids if segments is None else segments).dtype, device=device),
-                              torch.zeros(bucket.lengths_shape, dtype=bucket.lengths_dtype, device=device)))
-        entry.fill(inputs, *calls.fill_args(bucket, inputs))
-    static = entry.buffers
-    extra = {} if bucket.num_tokens is None else {"num_tokens": bucket.num_tokens}
+    entry = _BucketGraph(slot)
+    static = slot.buffers
+    extra = {} if num_tokens is None else {"num_tokens": num_tokens}
 
     def run():
         with calls.checks_off():      # its host sync cannot be captured
             return calls.eager(static, **extra)
 
+    device = static[0].device
     if state.pool is None:
         state.pool = _steps.new_pool(device)
     state.stats["captures"] += 1
@@ -938,26 +1026,29 @@ def graphed(calls, inputs):
         return calls.eager(inputs)
 
     calls.validate(inputs)
-    bucket = calls.plan(inputs)
     segments_dtype = (ids if segments is None else segments).dtype
-    key = (bucket, ids.dtype, segments_dtype, device, calls.settings(device) + _global_settings())
-    if key in state.failed:
-        state.stats["eager_capture"] += 1
-        return _eager_checked(calls, inputs)
+    settings = calls.settings(device) + _global_settings()
     with torch.no_grad():      # a float valid_lens that requires grad must not reach the buffers' autograd
+        # The buffers are written on the caller's stream, after the last replay's reads of them.
+        state.stream = _steps.order_after(state.stream, device)
+        bucket, slot = calls.stage(lambda b: state.slot(b, ids.dtype, segments_dtype, device),
+                                   calls.plan(inputs), inputs)
+        key = (bucket, ids.dtype, segments_dtype, device, settings)
         entry = state.graphs.get(key)
         if entry is not None:
             state.graphs.move_to_end(key)
-            state.stream = _steps.order_after(state.stream, device)
-            entry.fill(inputs, *calls.fill_args(bucket, inputs))
+        elif key in state.failed:
+            state.stats["eager_capture"] += 1
+            state.prune_slots()
+            return _eager_checked(calls, inputs)
         else:
             limit = _max_graphs(module)
-            state.stream = _steps.order_after(state.stream, device)
             try:
-                entry = _capture(calls, state, key, bucket, inputs, limit)
+                entry = _capture(calls, state, key, slot, limit, bucket.num_tokens)
                 error = None
             except Exception as caught:
                 error = caught
+            state.prune_slots()
             if error is not None:
                 # Eager first: if it fails too, the inputs were the problem and the bucket stays
                 # graphable (its exception propagates); else the capture was, and the bucket is

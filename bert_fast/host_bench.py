@@ -10,6 +10,12 @@ runs on CPU tensors, so this benchmark measures it on any machine:
   forward            eval mode, under torch.inference_mode, as a server calls it
   forward+backward   train mode (dropout --dropout, default 0: no dropout work), output.sum()
                      backward, gradients set to None (untimed) before each call
+  cuda_graphs forward
+                     forward, with the fast rows made cuda_graphs=True (bert_fast.cuda_graph):
+                     on a GPU each call replays its graph; on the CPU, which has no graphs, the
+                     replay is stubbed (_ReplayStubbed: nothing runs), so the row is the call's
+                     host work around the replay (checks, staging the inputs, the output copy).
+                     The reference row stays eager: the baseline
 
 for the reference (the book's BERTEncoder, the baseline) and FastBERTEncoder on every backend
 this install can run, on the same weights and inputs, in interleaved rounds (each round calls
@@ -50,6 +56,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .bench_common import (HOST_RECORD_KIND, Progress, add_record_options, default_device, environment_info,
                            host_record_markdown, make_inputs, record_path_for, synchronize, write_json,
                            _rotated)
+from . import cuda_graph
 from .backend import available_backends, resolve_backend
 from .modules import FastBERTEncoder
 from .ops import _triton
@@ -57,7 +64,8 @@ from .reference import BERTEncoder
 
 SHAPE = dict(num_layers=12, num_hiddens=64, num_heads=4, ffn_num_hiddens=256, batch=1, seq=8)
 VOCAB_SIZE = 1000      # small tables: the reference's dense embedding gradient stays negligible
-MODES = ("forward", "forward+backward")
+GRAPHED = "cuda_graphs forward"
+MODES = ("forward", "forward+backward", GRAPHED)
 BASELINE = "reference"
 GPU_PATH = "fast[triton] GPU path"
 
@@ -158,7 +166,7 @@ class _OpCounter(TorchDispatchMode):
 
 
 def _call(model, mode, inputs):
-    if mode == "forward":
+    if mode != "forward+backward":
         with torch.inference_mode():
             return model(*inputs)
     model(*inputs).sum().backward()
@@ -166,8 +174,52 @@ def _call(model, mode, inputs):
 
 def _prepare(models, mode):
     for model in models.values():
-        model.train(mode != "forward")
+        model.train(mode == "forward+backward")
         model.zero_grad(set_to_none=True)
+
+
+class _NoReplay:
+    def replay(self):
+        pass
+
+
+class _ReplayStubbed(cuda_graph._CudaGraphSteps):
+    """The automatic graphs' device steps where there are none (the CPU): a "capture" runs the
+    forward once (its output stands for the graph's) and a "replay" runs nothing."""
+
+    def supports(self, device):
+        return True
+
+    def capturing(self, device):
+        return False
+
+    def new_pool(self, device):
+        return None
+
+    def order_after(self, previous, device):
+        return None
+
+    def capture(self, run, device, pool):
+        return _NoReplay(), run()
+
+
+@contextlib.contextmanager
+def _graphs_on(models, device):
+    """Within: the fast rows with cuda_graphs=True, their replays stubbed off CUDA (_ReplayStubbed);
+    afterwards cuda_graphs off again and their graphs dropped."""
+    fast = [model for model in models.values() if isinstance(model, FastBERTEncoder)]
+    previous = cuda_graph._steps
+    if device.type != "cuda":
+        cuda_graph._steps = _ReplayStubbed()
+    for model in fast:
+        model.cuda_graphs = True
+    try:
+        yield
+    finally:
+        for model in fast:
+            model.cuda_graphs = False
+            cuda_graph.clear_cuda_graphs(model)
+        cuda_graph._steps = previous
 
 
 def gpu_path_arch():
@@ -225,7 +277,7 @@ def time_mode(models, mode, inputs, device, rounds, calls, warmup, progress=None
                 what = "warmup" if round_index < 0 else f"round {round_index + 1}/{rounds}"
                 progress.update(f"{mode}: {name}: {what}")
             with _context(name):
-                if mode == "forward":
+                if mode != "forward+backward":
                     synchronize(device)
                     start = time.perf_counter()
                     with torch.inference_mode():
@@ -276,14 +328,15 @@ def run(options, progress):
     for mode in options.modes:
         _prepare(models, mode)
         ops, launches = {}, {}
-        for name, model in models.items():
-            with _context(name):
-                for _ in range(2):             # first calls: lazy initialisation, Triton compiles
-                    _call(model, mode, inputs)
-                ops[name] = count_ops(model, mode, inputs)
-                launches[name] = count_launches(model, mode, inputs, device, name)
-        per_round = time_mode(models, mode, inputs, device, options.rounds, options.calls, options.warmup,
-                              progress)
+        with _graphs_on(models, device) if mode == GRAPHED else contextlib.nullcontext():
+            for name, model in models.items():
+                with _context(name):
+                    for _ in range(2):         # first calls: lazy initialisation, Triton compiles, captures
+                        _call(model, mode, inputs)
+                    ops[name] = count_ops(model, mode, inputs)
+                    launches[name] = count_launches(model, mode, inputs, device, name)
+            per_round = time_mode(models, mode, inputs, device, options.rounds, options.calls, options.warmup,
+                                  progress)
         rows += make_rows(mode, per_round, ops, launches, options.layers)
         _prepare(models, "forward")
     return rows
@@ -307,7 +360,9 @@ def make_record(rows, options, argv):
 TIMING = ("host microseconds per call, median over interleaved rounds (rotating order). forward: "
           "eval, torch.inference_mode, N back-to-back calls per round, one synchronize after them; "
           "forward+backward: train mode, output.sum().backward(), each call timed alone (grads set to "
-          "None before it, untimed; synchronize after it), the round's median. ATen ops: operator "
+          "None before it, untimed; synchronize after it), the round's median; cuda_graphs forward: as "
+          "forward, the fast rows with cuda_graphs=True, each call replaying its graph (on the CPU the "
+          "replay stubbed: the call's host work around it; the reference eager). ATen ops: operator "
           "calls that reach a kernel (TorchDispatchMode), per layer = per call / layers; launches: "
           "CUDA kernels, memcpys and memsets of one call (torch.profiler), per layer likewise; in the "
           f"row {GPU_PATH!r} (CPU tensors through the GPU's eager path, Triton's launcher included on "
@@ -328,7 +383,8 @@ def build_parser():
                         help="FastBERTEncoder backends (default: every one this install can run)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                         help="forward: eval, under torch.inference_mode; forward+backward: train "
-                             "mode, output.sum() backward (default: both)")
+                             "mode, output.sum() backward; 'cuda_graphs forward': forward with the fast rows "
+                             "made cuda_graphs=True (on the CPU the replay stubbed) (default: all three)")
     parser.add_argument("--layers", type=int, default=SHAPE["num_layers"],
                         help="encoder layers (default: %(default)s)")
     parser.add_argument("--hidden", type=int, default=SHAPE["num_hiddens"],

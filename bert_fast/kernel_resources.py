@@ -140,7 +140,7 @@ def _jsonable(constexprs):
             for name, value in constexprs.items()}
 
 
-OP_FILES = ("add_layernorm", "attention", "bias_act", "embedding", "embedding_layernorm")
+OP_FILES = ("add_layernorm", "attention", "bias_act", "embedding", "embedding_layernorm", "graph_inputs")
 
 
 def _op_modules():
@@ -252,6 +252,24 @@ def run_workload(dtype, num_heads, head_dim, batch=2, seqlen=24):
         embedding_layernorm(tokens.flatten(), segments.flatten(), tables[0], tables[1], tables[2][0], *norm, 1e-12,
                             positions=positions, backend="triton")
     _attention_dropout_keep_triton(batch, num_heads, seqlen, 0.1, torch.zeros(1, dtype=torch.int64))
+    stage_graph_inputs(tokens, segments, valid_lens_forms)
+
+
+def stage_graph_inputs(tokens, segments, valid_lens_forms):
+    """cuda_graphs=True's staging kernel (ops.graph_inputs) for each lengths form (none, 1-D,
+    2-D; int, float, half), with and without segments and clamping, int64 and int32 ids."""
+    from .ops import graph_inputs
+    batch, seqlen = tokens.shape
+    stats = torch.zeros(len(graph_inputs.STATS), dtype=torch.int64)
+    for lengths in (*valid_lens_forms, torch.full((batch,), seqlen), torch.full((batch,), seqlen).half()):
+        for ids, segment_ids in ((tokens, segments), (tokens.int(), None)):
+            lengths_shape = (batch + 1,) if lengths is None or lengths.dim() == 1 else (batch + 1, seqlen + 8)
+            lengths_dtype = torch.int64 if lengths is None else (
+                torch.float32 if lengths.dtype == torch.float16 else lengths.dtype)
+            buffers = (torch.zeros(batch + 1, seqlen + 8, dtype=ids.dtype), torch.zeros(batch + 1, seqlen + 8,
+                       dtype=ids.dtype), torch.zeros(lengths_shape, dtype=lengths_dtype))
+            graph_inputs.stage_inputs((ids, segment_ids, lengths), buffers, stats, full_length=seqlen,
+                                      clamp=lengths is not None)
 
 
 def collect(archs=(90, 80), dtypes=tuple(DTYPES), head_configs=HEAD_CONFIGS):

@@ -24,6 +24,8 @@ from torch import nn
 
 import bert_fast.cuda_graph as cuda_graph
 import bert_fast.modules as modules
+from bert_fast.ops import graph_inputs
+from bert_fast.ops._triton import HAS_TRITON, interpreting
 from bert_fast import FastBERTEncoder, FastBERTModel
 from bert_fast import reference as R
 from bert_fast.backend import resolve_backend
@@ -504,10 +506,21 @@ def test_bucket_tokens_keeps_padding_out_of_the_gemms():
 
 # --------------------------------------------------------------------------- padding and slicing
 
+@pytest.fixture(params=["torch", "kernel"])
+def staging(request, monkeypatch):
+    """How the inputs reach the static buffers: PyTorch ops (the CPU's way), or the staging
+    kernel (CUDA's way; here in Triton's interpreter, the encoder's own ops on the CPU)."""
+    if request.param == "kernel":
+        if not (HAS_TRITON and interpreting()):
+            pytest.skip("the staging kernel on CPU tensors needs triton and TRITON_INTERPRET=1")
+        monkeypatch.setattr(graph_inputs, "uses_kernel", lambda ids: True)
+    return request.param
+
+
 @pytest.mark.parametrize("batch,seqlen", [(1, 7), (5, 37), (2, 130)])
 @pytest.mark.parametrize("skip_padding", [False, True], ids=["exact", "skip_padding"])
 @pytest.mark.parametrize("case", LENGTH_CASES)
-def test_graphed_matches_eager(stub, case, skip_padding, batch, seqlen):
+def test_graphed_matches_eager(stub, staging, case, skip_padding, batch, seqlen):
     if skip_padding and case.startswith("2d"):
         pytest.skip("skip_padding takes 1-D valid_lens (test_skip_padding_rejects_2d_lengths)")
     encoder = auto_encoder(skip_padding=skip_padding)
@@ -961,14 +974,21 @@ def test_compile_tracing_and_outer_capture_run_eagerly_without_warning(stub, mon
 # --------------------------------------------------------------------------- input checks
 
 def test_input_check_runs_before_capture_and_replay(stub, monkeypatch):
-    checks = []
-    real_check = modules.check_encoder_inputs
+    # The values are checked from the staged inputs' stats (graph_inputs: one host read per call),
+    # outside the graph; the eager check (check_encoder_inputs) runs only to word an error.
+    reads, checks = [], []
+    real_stats, real_check = graph_inputs.input_stats, modules.check_encoder_inputs
 
-    def recorded(*args, **kwargs):
+    def recorded_stats(*args, **kwargs):
+        reads.append(stub.active)
+        return real_stats(*args, **kwargs)
+
+    def recorded_check(*args, **kwargs):
         checks.append(stub.active)
         return real_check(*args, **kwargs)
 
-    monkeypatch.setattr(modules, "check_encoder_inputs", recorded)
+    monkeypatch.setattr(graph_inputs, "input_stats", recorded_stats)
+    monkeypatch.setattr(modules, "check_encoder_inputs", recorded_check)
     encoder = auto_encoder()
     tokens, segments = random_inputs(B, L, VOCAB)
     valid_lens = lengths("1d_int_pos", B, L)
@@ -976,10 +996,10 @@ def test_input_check_runs_before_capture_and_replay(stub, monkeypatch):
     bad_tokens[1, 4] = VOCAB
     with pytest.raises(ValueError, match=rf"token ids must be in \[0, {VOCAB}\)"):
         graphed(encoder, bad_tokens, segments, valid_lens)
-    assert stub.attempts == 0
+    assert stub.attempts == 0 and reads == [False] and checks == [False]
 
-    graphed(encoder, tokens, segments, valid_lens)          # capture + replay: one check, before both
-    assert checks == [False, False] and stub.attempts == 1 and stub.replays == 1
+    graphed(encoder, tokens, segments, valid_lens)          # capture + replay: one read, before both
+    assert reads == [False, False] and checks == [False] and stub.attempts == 1 and stub.replays == 1
     assert encoder.check_inputs is True
 
     with pytest.raises(ValueError, match=r"segment ids must be 0 or 1"):
@@ -989,12 +1009,40 @@ def test_input_check_runs_before_capture_and_replay(stub, monkeypatch):
         graphed(encoder, tokens, segments, valid_lens[:2])
     with pytest.raises(ValueError, match=r"sequence length 201 exceeds max_len 200"):
         graphed(encoder, *random_inputs(1, AUTO_MAX_LEN + 1, VOCAB))
+    float_lens = valid_lens.float()
+    float_lens[0] = float("nan")
+    with pytest.raises(ValueError, match=r"valid_lens contains NaN"):
+        graphed(encoder, tokens, segments, float_lens)
 
-    encoder.check_inputs = False            # off: no check at all
-    count = len(checks)
+    encoder.check_inputs = False            # off: no check; a read only where L is padded (keyless rows)
+    count = len(reads), len(checks)
     graphed(encoder, tokens, segments, valid_lens)
-    assert len(checks) == count and stub.replays == 2
-    assert not any(checks), "an input check ran inside a capture or replay"
+    assert (len(reads), len(checks)) == (count[0] + 1, count[1]) and stub.replays == 2
+    graphed(encoder, tokens[:, :32], segments[:, :32], valid_lens)       # L = 32, a bucket length: no read
+    assert (len(reads), len(checks)) == (count[0] + 1, count[1]) and stub.replays == 3
+    assert not any(reads + checks), "an input check ran inside a capture or replay"
+
+
+@pytest.mark.parametrize("skip_padding", [False, True], ids=["exact", "skip_padding"])
+def test_input_check_from_the_staged_inputs(stub, staging, skip_padding):
+    """Each bad value gets the eager check's error before any replay, whichever way the inputs
+    are staged; valid calls after them replay (the buffers hold the valid call's values)."""
+    encoder = auto_encoder(skip_padding=skip_padding)
+    tokens, segments = random_inputs(B, L, VOCAB)
+    valid_lens = lengths("1d_float_pos", B, L)
+    expected = eager_forward(encoder, tokens, segments, valid_lens)
+    assert_eager_result(graphed(encoder, tokens, segments, valid_lens), expected)
+    low, high, bad_segments, nan_lens = tokens.clone(), tokens.clone(), segments.clone(), valid_lens.clone()
+    low[0, 3], high[2, L - 1], bad_segments[1, 0], nan_lens[2] = -1, VOCAB, 2, float("nan")
+    for args, message in [((low, segments, valid_lens), rf"token ids must be in \[0, {VOCAB}\), got values in \[-1, "),
+                          ((high, segments, valid_lens), rf"token ids must be in \[0, {VOCAB}\), got values in \[0, {VOCAB}\]"),
+                          ((tokens, bad_segments, valid_lens), r"segment ids must be 0 or 1, got values in \[0, 2\]"),
+                          ((tokens, segments, nan_lens), r"valid_lens contains NaN")]:
+        with pytest.raises(ValueError, match=message):
+            graphed(encoder, *args)
+    assert stub.replays == 1
+    assert_eager_result(graphed(encoder, tokens, segments, valid_lens), expected, "after the errors")
+    assert stub.attempts == 1 and stub.replays == 2
 
 
 def test_tensor_subclass_parameters_run_eagerly(stub):

@@ -1,0 +1,119 @@
+"""stage_inputs (bert_fast/ops/graph_inputs.py): the kernel that writes a call's inputs into a
+CUDA graph's static buffers and reduces what the host reads, against the same done with
+PyTorch ops (input_stats on buffers filled by hand). Triton's interpreter on CPU, CUDA when
+present."""
+
+import math
+
+import pytest
+import torch
+
+from bert_fast.ops import graph_inputs
+from bert_fast.ops.graph_inputs import STATS, input_stats, stage_inputs
+from tests.helpers import DEVICE, needs_kernels
+
+
+def expected(inputs, buffers_shape, length_dtype, *, full_length, clamp):
+    """Buffers filled with PyTorch ops as the kernel must fill them, and their input_stats."""
+    ids, segments, lengths = inputs
+    batch, seqlen = ids.shape
+    padded_batch, padded_seqlen = buffers_shape
+    id_buffer = ids.new_zeros(buffers_shape)
+    segment_buffer = torch.zeros(buffers_shape, dtype=(ids if segments is None else segments).dtype, device=ids.device)
+    id_buffer[:batch, :seqlen] = ids
+    if segments is not None:
+        segment_buffer[:batch, :seqlen] = segments
+    if lengths is None or lengths.dim() == 1:
+        length_buffer = torch.zeros(padded_batch, dtype=length_dtype, device=ids.device)
+        region = length_buffer[:batch]
+    else:
+        length_buffer = torch.zeros(buffers_shape, dtype=length_dtype, device=ids.device)
+        region = length_buffer[:batch, :seqlen]
+    if lengths is None:
+        region.fill_(full_length)
+    else:
+        region.copy_(lengths)
+        if clamp:
+            region.clamp_(max=seqlen)
+    buffers = (id_buffer, segment_buffer, length_buffer)
+    stats = input_stats(buffers, batch, seqlen, has_segments=segments is not None, has_lengths=lengths is not None)
+    return buffers, stats
+
+
+def length_case(case, batch, seqlen, device):
+    """valid_lens of one form: None, 1-D or 2-D, integer or float, with NaN, negative values
+    and values above L where the form allows them."""
+    values = [seqlen + 3, 0, -1.5, 2.5, float("nan"), seqlen, 1]
+    row = [values[i % len(values)] for i in range(batch)]
+    if case == "none":
+        return None
+    if case == "int64":
+        return torch.tensor([int(v) if not math.isnan(v) else 2 for v in row], device=device)
+    if case == "int32_noncontiguous":
+        return torch.tensor([[int(v) if not math.isnan(v) else 2, 9] for v in row], dtype=torch.int32,
+                            device=device)[:, 0]
+    if case == "float32":
+        return torch.tensor(row, dtype=torch.float32, device=device)
+    if case == "float16":
+        return torch.tensor(row, dtype=torch.float32, device=device).half()
+    if case == "float64":
+        return torch.tensor(row, dtype=torch.float64, device=device) + 0.25
+    if case == "2d_float":
+        grid = torch.arange(batch * seqlen, dtype=torch.float32, device=device).reshape(batch, seqlen) % 7 - 2
+        grid[0, 0] = float("nan")
+        return grid
+    if case == "2d_int64_transposed":
+        return (torch.arange(batch * seqlen, device=device).reshape(seqlen, batch) % 5 - 1).t()
+    raise ValueError(case)
+
+
+def buffer_dtype(lengths):
+    if lengths is None:
+        return torch.int64
+    return torch.float32 if lengths.dtype in (torch.float16, torch.bfloat16) else lengths.dtype
+
+
+@needs_kernels
+@pytest.mark.parametrize("lengths_case", ["none", "int64", "int32_noncontiguous", "float32", "float16", "float64",
+                                          "2d_float", "2d_int64_transposed"])
+@pytest.mark.parametrize("shape, buffers_shape", [((3, 5), (4, 16)), ((1, 16), (1, 16)), ((5, 19), (8, 32))])
+@pytest.mark.parametrize("clamp", [True, False])
+def test_stage_inputs_matches_torch(lengths_case, shape, buffers_shape, clamp, monkeypatch):
+    # A tile of 16 elements: the small cases walk several row and column tiles.
+    monkeypatch.setattr(graph_inputs, "TILE", 16)
+    torch.manual_seed(0)
+    batch, seqlen = shape
+    ids = torch.randint(-2, 50, (seqlen, batch), device=DEVICE).t()          # non-contiguous, out-of-range ids
+    segments = torch.randint(0, 3, shape, dtype=torch.int32, device=DEVICE) if lengths_case != "none" else None
+    lengths = length_case(lengths_case, batch, seqlen, DEVICE)
+    if lengths is not None and lengths.dim() == 2:
+        lengths_shape = buffers_shape
+    else:
+        lengths_shape = buffers_shape[:1]
+    length_dtype = buffer_dtype(lengths)
+    buffers = (torch.full(buffers_shape, 7, dtype=ids.dtype, device=DEVICE),       # stale values to overwrite
+               torch.full(buffers_shape, 7, dtype=(ids if segments is None else segments).dtype, device=DEVICE),
+               torch.full(lengths_shape, 7, dtype=length_dtype, device=DEVICE))
+    stats = torch.full((len(STATS),), -5, dtype=torch.int64, device=DEVICE)
+    inputs = (ids, segments, lengths)
+    out = stage_inputs(inputs, buffers, stats, full_length=seqlen, clamp=clamp)
+    want_buffers, want_stats = expected(inputs, buffers_shape, length_dtype, full_length=seqlen, clamp=clamp)
+    assert out is stats
+    for name, got, want in zip(("ids", "segments", "lengths"), buffers, want_buffers):
+        assert got.dtype == want.dtype
+        assert torch.equal(got.isnan(), want.isnan()) if got.is_floating_point() else True, name
+        assert torch.equal(torch.nan_to_num(got, nan=-99.0), torch.nan_to_num(want, nan=-99.0)), name
+    assert dict(zip(STATS, stats.tolist())) == dict(zip(STATS, want_stats.tolist()))
+
+
+def test_input_stats_counts():
+    """input_stats itself, on values worked out by hand."""
+    ids = torch.tensor([[4, 9, 0], [2, 0, 0]])
+    segments = torch.tensor([[0, 1, 1], [1, 0, 0]])
+    lengths = torch.tensor([2.5, float("nan"), 0.0])           # row 2 is padding (batch 2)
+    stats = input_stats((ids, segments, lengths), 2, 3, has_segments=True, has_lengths=True)
+    assert dict(zip(STATS, stats.tolist())) == dict(token_min=0, token_max=9, segment_min=0, segment_max=1,
+                                                    nan_lengths=1, valid_tokens=3, keyless=1)
+    stats = input_stats((ids, segments, lengths), 2, 2, has_segments=False, has_lengths=False)
+    assert dict(zip(STATS, stats.tolist())) == dict(token_min=0, token_max=9, segment_min=0, segment_max=0,
+                                                    nan_lengths=0, valid_tokens=4, keyless=0)
