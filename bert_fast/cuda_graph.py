@@ -8,9 +8,11 @@ path took 12.60 ms and the eager reference 7.94 ms, while the same fast kernels 
 graph took 0.556 ms (triton backend; 0.608 cuda, 0.783 torch); at B32 L128 with mixed lengths
 8.60 ms (reference) against 1.86 ms; at B128 L128 12.12 against 6.57 ms. Those graphs were made
 with ``capture_encoder`` (below) after ``pack_qkv_()`` with ``check_inputs=False``; the
-automatic path replays the same kind of graph but adds host work per call (next paragraphs) and
-**has not run on a GPU yet**: its logic is tested on the CPU with the capture step stubbed
-(tests/test_cuda_graph.py), its GPU tests wait for a GPU.
+automatic path replays the same kind of graph but adds host work per call (next paragraphs).
+Its logic is tested on the CPU with the capture step stubbed (tests/test_cuda_graph.py); its
+GPU tests passed on an H200 on 2026-11-26 (README), before the staging kernel (below) replaced
+the per-call copies and checks: that kernel has run in Triton's interpreter and compiled for
+sm_90, not yet on a GPU.
 
 Automatic: ``FastBERTEncoder(..., cuda_graphs=True)`` (or ``bert_fast.optimize(model,
 cuda_graphs=True)``, which also graphs Hugging Face BertModels the same way: bert_fast.hf's
@@ -105,13 +107,16 @@ driver. ``cuda_graph_stats(encoder)`` shows the buckets held and counts captures
 evictions, invalidations and eager calls.
 
 Per call, a replay costs on the host: the snapshot check above, the input check of shapes and
-dtypes (no tensor op), the staging launch and its one host read when needed (above), the
-replay and the output copy: 3 launches, and one sync where a value is read. Measured on the CI
-machine's CPU with the replay stubbed out and the GPU's path for the staging (12 layers, B1
-L128, 1-D valid_lens; the Triton launch compiled for sm_90, counted instead of run; the script
-/tmp-free in benchmarks/results/cpu-2core-2026-11-26-graph-call.md): 84-88 us per call, 2-4 ATen
-ops and one Triton launch, against 78-137 us and 8-20 ATen ops (each a launch on a GPU) when
-the inputs were copied and checked with PyTorch ops (before 2026-11-26).
+dtypes (no tensor op), the staging launch and its host read when needed (above), the replay
+and the output copy: on a GPU 3 launches, and one sync where a value is read. Measured with
+``python -m bert_fast.bench --suite host --modes "cuda_graphs forward"`` on the CI machine's
+CPU, the replay stubbed (12 layers, H 64, B1 L8, 1-D valid_lens, the row "fast[triton] GPU
+path": the staging kernel compiled for sm_90, its launch counted instead of made), 2026-11-26:
+per call 4 ATen ops and one Triton launch with check_inputs, exact or skip_padding (2 ops
+without it), where copying and checking the inputs with PyTorch ops took 15 ATen ops, each a
+launch on a GPU (20 and two syncs with skip_padding; 8 without the check). Host time there, 3
+alternating runs of each on a noisy VM: 0.031-0.033x the reference's eager forward against
+0.038-0.042x before (exact), 0.035-0.038x against 0.043-0.054x (skip_padding).
 
 One caller at a time per encoder: calls share the encoder's static buffers and its graphs'
 pool, so two threads must not call the same encoder at once (give each thread its own);
