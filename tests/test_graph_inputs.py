@@ -79,8 +79,9 @@ def buffer_dtype(lengths):
 @pytest.mark.parametrize("shape, buffers_shape", [((3, 5), (4, 16)), ((1, 16), (1, 16)), ((5, 19), (8, 32))])
 @pytest.mark.parametrize("clamp", [True, False])
 def test_stage_inputs_matches_torch(lengths_case, shape, buffers_shape, clamp, monkeypatch):
-    # A tile of 16 elements: the small cases walk several row and column tiles.
-    monkeypatch.setattr(graph_inputs, "TILE", 16)
+    # A 2 x 8 tile: the small cases walk several row and column tiles.
+    monkeypatch.setattr(graph_inputs, "BLOCK_B", 2)
+    monkeypatch.setattr(graph_inputs, "BLOCK_L", 8)
     torch.manual_seed(0)
     batch, seqlen = shape
     ids = torch.randint(-2, 50, (seqlen, batch), device=DEVICE).t()          # non-contiguous, out-of-range ids

@@ -9,7 +9,8 @@ small reductions and one host read per read fact: on a GPU host each op is a ker
 and on the H200 of 2026-11-26 (benchmarks/results/nvidia-h200-2026-11-26-*) the automatic
 graph's call took 0.45 ms more than the bare replay at B1 L128, mostly such host work.
 
-On CUDA with Triton it is one kernel: a single program walks the (B_b, L_b) buffers in tiles,
+On CUDA with Triton it is one kernel: a single program walks the (B_b, L_b) buffers in tiles
+of BLOCK_B x BLOCK_L,
 writes every element (the inputs where they are, zeros around them, None segments as zeros,
 None lengths as ``full_length`` for the real rows), and reduces the facts into one int64
 vector, ``STATS``, that the host reads with one sync when it needs any of them, or never.
@@ -27,17 +28,20 @@ masked (NaN stays NaN).
 
 import torch
 
-from ._triton import as_dtype, cpu_kernel, HAS_TRITON, launch, next_power_of_2, tl, triton
+from ._triton import as_dtype, cpu_kernel, HAS_TRITON, launch, tl, triton
 
 # What the stats vector holds, in order: the smallest and largest token id and segment id of
 # the call (its (B, L) inputs, not the padding), the number of NaN lengths, the number of valid
 # tokens (1-D lengths only; 0 otherwise), and the number of rows (1-D lengths) or query
 # positions (2-D) whose length is not > 0 (they see no key).
 STATS = ("token_min", "token_max", "segment_min", "segment_max", "nan_lengths", "valid_tokens", "keyless")
-TILE = 4096          # elements a program handles per loop step
+BLOCK_B, BLOCK_L = 16, 128       # the tile a loop step handles
 
 
-@triton.jit
+# The sizes are not specialised on (Triton would compile a variant for a size of 1 and for
+# multiples of 16), nor is the tile: the kernel compiles once per kind of input (dtypes, which
+# inputs are None, 1-D or 2-D lengths, clamping), not per graph bucket.
+@triton.jit(do_not_specialize=["batch", "seqlen", "padded_batch", "padded_seqlen", "full_length"])
 def _stage_inputs_kernel(ids, ids_stride_b, ids_stride_l, segments, segments_stride_b, segments_stride_l,
                          lengths, lengths_stride_b, lengths_stride_l,
                          id_buffer, segment_buffer, length_buffer, stats,
@@ -127,8 +131,6 @@ def stage_inputs(inputs, buffers, stats, *, full_length, clamp):
     id_buffer, segment_buffer, length_buffer = buffers
     batch, seqlen = ids.shape
     padded_batch, padded_seqlen = id_buffer.shape
-    block_l = min(next_power_of_2(padded_seqlen), TILE)
-    block_b = min(max(1, TILE // block_l), next_power_of_2(padded_batch))
     mode = 0 if lengths is None else lengths.dim()
     launch(_stage_inputs_kernel, ids)[(1,)](
         ids, *_strides(ids),
@@ -137,7 +139,7 @@ def stage_inputs(inputs, buffers, stats, *, full_length, clamp):
         id_buffer, segment_buffer, length_buffer, stats,
         batch, seqlen, padded_batch, padded_seqlen, full_length,
         HAS_SEGMENTS=segments is not None, LENGTHS=mode, CLAMP=bool(clamp),
-        BLOCK_B=block_b, BLOCK_L=block_l, num_warps=8)
+        BLOCK_B=BLOCK_B, BLOCK_L=BLOCK_L, num_warps=8)
     return stats
 
 
