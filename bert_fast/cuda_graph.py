@@ -833,12 +833,36 @@ class _Calls:
         """The call's _Bucket (at most one host read; stage() may still change it)."""
         raise NotImplementedError
 
+    def reads(self, bucket, inputs):
+        """Which staged stats (graph_inputs.STATS) the call must read on the host, as
+        (values, tokens, keyless): the input check's id ranges and NaN count; the valid-token
+        count, which picks skip_padding's token bucket; whether some row sees no key, which in
+        exact mode keeps a padded L exact (such a row attends to all L keys)."""
+        return False, False, False
+
+    def check_values(self, stats, inputs):
+        """Raise for bad input values, given the staged stats (read when reads() asked for values)."""
+
     def stage(self, slot_for, bucket, inputs):
-        """Write the inputs into the static buffers of ``slot_for(bucket)`` (an _InputSlot);
-        returns (the call's bucket, its slot). A module that checks values, or whose bucket
-        depends on them, reads them here (one host read) and raises or rebuckets."""
+        """Write the inputs into the static buffers of ``slot_for(bucket)`` (an _InputSlot), one
+        launch on CUDA, and read what reads() asks for in one host read: raises for bad values,
+        sets skip_padding's token bucket, or restages at the exact L. Returns (bucket, slot)."""
+        values, tokens, keyless = self.reads(bucket, inputs)
         slot = slot_for(bucket)
-        slot.fill(inputs, *self.fill_args(bucket, inputs))
+        stats = slot.stage(inputs, *self.fill_args(bucket, inputs), values=values, tokens=tokens, keyless=keyless)
+        if not (values or tokens or keyless):
+            return bucket, slot
+        stats = dict(zip(graph_inputs.STATS, stats.tolist()))        # the one host read
+        if values:
+            self.check_values(stats, inputs)
+        if tokens:
+            bucket = bucket._replace(num_tokens=bucket_tokens(stats["valid_tokens"], bucket.batch * bucket.seqlen))
+        elif keyless and stats["keyless"]:
+            seqlen = inputs[0].shape[1]
+            lengths_shape = bucket.lengths_shape if len(bucket.lengths_shape) == 1 else (bucket.batch, seqlen)
+            bucket = bucket._replace(seqlen=seqlen, lengths_shape=lengths_shape)
+            slot = slot_for(bucket)
+            slot.stage(inputs, *self.fill_args(bucket, inputs))
         return bucket, slot
 
     def settings(self, device):
@@ -908,35 +932,18 @@ class _EncoderCalls(_Calls):
         shape = (padded_batch,) if valid_lens is None or valid_lens.dim() == 1 else (padded_batch, padded_seqlen)
         return _Bucket(padded_batch, padded_seqlen, num_tokens, shape, dtype)
 
-    def stage(self, slot_for, bucket, inputs):
-        """One staging launch (graph_inputs.stage_inputs) and at most one host read of its
-        stats, for what needs the values: the input check (check_inputs), skip_padding's token
-        count, and in exact mode at a padded L whether some row sees no key (then L stays exact:
-        such a row attends to all L keys, which padding L would change)."""
+    def reads(self, bucket, inputs):
         tokens, _, valid_lens = inputs
         encoder = self.module
-        seqlen = tokens.shape[1]
-        check = encoder.check_inputs
-        count = encoder.skip_padding and valid_lens is not None
-        keyless_matters = not encoder.skip_padding and valid_lens is not None and bucket.seqlen > seqlen
-        slot = slot_for(bucket)
-        stats = slot.stage(inputs, *self.fill_args(bucket, inputs), values=check, tokens=count,
-                           keyless=keyless_matters)
-        if not (check or count or keyless_matters):
-            return bucket, slot
-        stats = dict(zip(graph_inputs.STATS, stats.tolist()))        # the one host read
-        if check and not (0 <= stats["token_min"] and stats["token_max"] < encoder.token_embedding.num_embeddings
-                          and 0 <= stats["segment_min"] and stats["segment_max"] <= 1 and not stats["nan_lengths"]):
+        return (bool(encoder.check_inputs), encoder.skip_padding and valid_lens is not None,
+                not encoder.skip_padding and valid_lens is not None and bucket.seqlen > tokens.shape[1])
+
+    def check_values(self, stats, inputs):
+        encoder = self.module
+        if not (0 <= stats["token_min"] and stats["token_max"] < encoder.token_embedding.num_embeddings
+                and 0 <= stats["segment_min"] and stats["segment_max"] <= 1 and not stats["nan_lengths"]):
             encoder.validate_inputs(*inputs)          # raises the eager check's message
             raise ValueError(f"invalid encoder inputs: {stats}")     # (unreachable: the check above agrees)
-        if count:
-            bucket = bucket._replace(num_tokens=bucket_tokens(stats["valid_tokens"], bucket.batch * bucket.seqlen))
-        elif keyless_matters and stats["keyless"]:
-            lengths_shape = bucket.lengths_shape if len(bucket.lengths_shape) == 1 else (bucket.batch, seqlen)
-            bucket = bucket._replace(seqlen=seqlen, lengths_shape=lengths_shape)
-            slot = slot_for(bucket)
-            slot.stage(inputs, *self.fill_args(bucket, inputs))
-        return bucket, slot
 
     def settings(self, device):
         encoder = self.module

@@ -527,14 +527,16 @@ class _GraphedCalls(_Calls):
         input_ids, _, attention_mask = inputs
         batch, seqlen = input_ids.shape
         padded_batch, padded_seqlen = bucket_batch(batch), bucket_seqlen(seqlen, self._max_len())
-        num_tokens = None
-        if self.module.bert_fast_skip_padding:
-            count = batch * seqlen if attention_mask is None else int((attention_mask != 0).sum())  # the host read
-            num_tokens = bucket_tokens(count, padded_batch * padded_seqlen)
-        elif (attention_mask is not None and padded_seqlen > seqlen
-              and not bool((attention_mask != 0).any(dim=1).all())):
-            padded_seqlen = seqlen     # a row that attends to nothing attends to all L keys: keep L exact
+        num_tokens = None          # skip_padding with a mask: counted by stage()
+        if self.module.bert_fast_skip_padding and attention_mask is None:
+            num_tokens = bucket_tokens(batch * seqlen, padded_batch * padded_seqlen)
         return _Bucket(padded_batch, padded_seqlen, num_tokens, (padded_batch, padded_seqlen), torch.bool)
+
+    def reads(self, bucket, inputs):
+        input_ids, _, attention_mask = inputs
+        skip_padding = self.module.bert_fast_skip_padding
+        return (False, skip_padding and attention_mask is not None,
+                not skip_padding and attention_mask is not None and bucket.seqlen > input_ids.shape[1])
 
     def settings(self, device):
         model = self.module

@@ -25,7 +25,6 @@ from torch import nn
 import bert_fast.cuda_graph as cuda_graph
 import bert_fast.modules as modules
 from bert_fast.ops import graph_inputs
-from bert_fast.ops._triton import HAS_TRITON, interpreting
 from bert_fast import FastBERTEncoder, FastBERTModel
 from bert_fast import reference as R
 from bert_fast.backend import resolve_backend
@@ -505,17 +504,6 @@ def test_bucket_tokens_keeps_padding_out_of_the_gemms():
 
 
 # --------------------------------------------------------------------------- padding and slicing
-
-@pytest.fixture(params=["torch", "kernel"])
-def staging(request, monkeypatch):
-    """How the inputs reach the static buffers: PyTorch ops (the CPU's way), or the staging
-    kernel (CUDA's way; here in Triton's interpreter, the encoder's own ops on the CPU)."""
-    if request.param == "kernel":
-        if not (HAS_TRITON and interpreting()):
-            pytest.skip("the staging kernel on CPU tensors needs triton and TRITON_INTERPRET=1")
-        monkeypatch.setattr(graph_inputs, "uses_kernel", lambda ids: True)
-    return request.param
-
 
 @pytest.mark.parametrize("batch,seqlen", [(1, 7), (5, 37), (2, 130)])
 @pytest.mark.parametrize("skip_padding", [False, True], ids=["exact", "skip_padding"])

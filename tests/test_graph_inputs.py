@@ -118,3 +118,41 @@ def test_input_stats_counts():
     stats = input_stats((ids, segments, lengths), 2, 2, has_segments=False, has_lengths=False)
     assert dict(zip(STATS, stats.tolist())) == dict(token_min=0, token_max=9, segment_min=0, segment_max=0,
                                                     nan_lengths=0, valid_tokens=4, keyless=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("mask_case", ["none", "int64", "bool", "float32_transposed"])
+@pytest.mark.parametrize("shape, buffers_shape", [((3, 5), (4, 16)), ((5, 19), (8, 32))])
+def test_stage_inputs_takes_attention_masks(mask_case, shape, buffers_shape, monkeypatch):
+    """A bool lengths buffer: an HF attention mask (nonzero = attend), rows that attend to
+    nothing counted as keyless, None as every real token attended."""
+    monkeypatch.setattr(graph_inputs, "BLOCK_B", 2)
+    monkeypatch.setattr(graph_inputs, "BLOCK_L", 8)
+    torch.manual_seed(0)
+    batch, seqlen = shape
+    ids = torch.randint(0, 50, shape, device=DEVICE)
+    segments = torch.randint(0, 2, shape, device=DEVICE)
+    if mask_case == "none":
+        mask = None
+    else:
+        mask = (torch.rand(shape, device=DEVICE) < 0.6).long()
+        mask[1] = 0                                          # a row that attends to nothing
+        if mask_case == "bool":
+            mask = mask.bool()
+        elif mask_case == "float32_transposed":
+            mask = (mask.float() * 0.5).t().contiguous().t()
+    buffers = (torch.full(buffers_shape, 7, device=DEVICE), torch.full(buffers_shape, 7, device=DEVICE),
+               torch.ones(buffers_shape, dtype=torch.bool, device=DEVICE))
+    stats = torch.zeros(len(STATS), dtype=torch.int64, device=DEVICE)
+    stage_inputs((ids, segments, mask), buffers, stats, full_length=0, clamp=False)
+
+    want_mask = torch.zeros(buffers_shape, dtype=torch.bool, device=DEVICE)
+    want_mask[:batch, :seqlen] = True if mask is None else mask != 0
+    assert torch.equal(buffers[2], want_mask)
+    assert torch.equal(buffers[0][:batch, :seqlen], ids) and int(buffers[0].sum()) == int(ids.sum())
+    want = input_stats((buffers[0], buffers[1], want_mask), batch, seqlen, has_segments=True,
+                       has_lengths=mask is not None)
+    got = dict(zip(STATS, stats.tolist()))
+    assert got == dict(zip(STATS, want.tolist()))
+    assert got["valid_tokens"] == (batch * seqlen if mask is None else int((mask != 0).sum()))
+    assert got["keyless"] == (0 if mask is None else int((~(mask != 0).any(dim=1)).sum()))

@@ -502,7 +502,7 @@ SHAPES = [(3, 11), (2, 13), (4, 16), (3, 11)]
 @pytest.mark.parametrize("skip_padding", [False, True])
 @pytest.mark.parametrize("mask_name", list(MASKS))
 @pytest.mark.parametrize("with_types", [True, False])
-def test_cuda_graphs_match_eager_and_hf(stub, mask_name, skip_padding, with_types):
+def test_cuda_graphs_match_eager_and_hf(stub, staging, mask_name, skip_padding, with_types):
     ref, eager, graphed = graphed_trio(config(max_pos=40), skip_padding=skip_padding)
     for batch, seqlen in SHAPES:
         ids, types = inputs(batch, seqlen)
@@ -525,7 +525,7 @@ def test_cuda_graphs_match_eager_and_hf(stub, mask_name, skip_padding, with_type
     assert stats["buckets"][0]["valid_lens_dtype"] == torch.bool     # the attention mask's buffer
 
 
-def test_cuda_graphs_keep_l_exact_for_a_row_that_attends_to_nothing(stub):
+def test_cuda_graphs_keep_l_exact_for_a_row_that_attends_to_nothing(stub, staging):
     """Such a row attends to all L keys (the book's rule): padding L would change it."""
     _, eager, graphed = graphed_trio(config(max_pos=40))
     ids, types = inputs(3, 11)

@@ -33,7 +33,9 @@ from ._triton import as_dtype, cpu_kernel, HAS_TRITON, launch, tl, triton
 # What the stats vector holds, in order: the smallest and largest token id and segment id of
 # the call (its (B, L) inputs, not the padding), the number of NaN lengths, the number of valid
 # tokens (1-D lengths only; 0 otherwise), and the number of rows (1-D lengths) or query
-# positions (2-D) whose length is not > 0 (they see no key).
+# positions (2-D) whose length is not > 0 (they see no key). With an attention mask (a bool
+# buffer: Hugging Face models) the valid tokens are the attended positions and the keyless
+# count is of rows that attend to none.
 STATS = ("token_min", "token_max", "segment_min", "segment_max", "nan_lengths", "valid_tokens", "keyless")
 BLOCK_B, BLOCK_L = 16, 128       # the tile a loop step handles
 
@@ -46,9 +48,10 @@ def _stage_inputs_kernel(ids, ids_stride_b, ids_stride_l, segments, segments_str
                          lengths, lengths_stride_b, lengths_stride_l,
                          id_buffer, segment_buffer, length_buffer, stats,
                          batch, seqlen, padded_batch, padded_seqlen, full_length,
-                         HAS_SEGMENTS: tl.constexpr, LENGTHS: tl.constexpr, CLAMP: tl.constexpr,
-                         BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr):
-    # LENGTHS: 0 none (full_length for the real rows), 1 one per row, 2 one per query.
+                         HAS_SEGMENTS: tl.constexpr, LENGTHS: tl.constexpr, MASK: tl.constexpr,
+                         CLAMP: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr):
+    # LENGTHS: 0 none (full_length for the real rows), 1 one per row, 2 one per query; MASK: the
+    # lengths are an attention mask (B, L) and the buffer bool (nonzero = attend; none: all).
     big = tl.full((), 9223372036854775807, tl.int64)      # int64's largest
     token_min, token_max = big, -big
     segment_min, segment_max = big, -big
@@ -60,14 +63,16 @@ def _stage_inputs_kernel(ids, ids_stride_b, ids_stride_l, segments, segments_str
         rows = row0 + tl.arange(0, BLOCK_B)
         real_row = rows < batch
         buffer_row = rows < padded_batch
-        if LENGTHS == 1:
+        if MASK:
+            row_attended = tl.zeros((BLOCK_B,), tl.int32)
+        elif LENGTHS == 1:
             row_length = tl.load(lengths + rows * lengths_stride_b, mask=real_row, other=0).to(length_type)
             if CLAMP:
                 row_length = tl.where(row_length > seqlen, seqlen, row_length)
             tl.store(length_buffer + rows, row_length, mask=buffer_row)
             nan_lengths += tl.sum((real_row & (row_length != row_length)).to(tl.int64))
             keyless += tl.sum((real_row & ~(row_length > 0)).to(tl.int64))
-        if LENGTHS == 0:
+        elif LENGTHS == 0:
             tl.store(length_buffer + rows, tl.where(real_row, full_length, 0).to(length_type), mask=buffer_row)
         for col0 in range(0, padded_seqlen, BLOCK_L):
             cols = col0 + tl.arange(0, BLOCK_L)
@@ -89,12 +94,20 @@ def _stage_inputs_kernel(ids, ids_stride_b, ids_stride_l, segments, segments_str
             else:
                 tl.store(segment_buffer + slots, tl.zeros((BLOCK_B, BLOCK_L), segment_buffer.dtype.element_ty),
                          mask=in_buffer)
-            if LENGTHS == 0:
+            if MASK:
+                attend = real
+                if LENGTHS == 2:
+                    attend = attend & (tl.load(lengths + rows[:, None] * lengths_stride_b
+                                               + cols[None, :] * lengths_stride_l, mask=real, other=0) != 0)
+                tl.store(length_buffer + slots, attend, mask=in_buffer)
+                valid_tokens += tl.sum(attend.to(tl.int64))
+                row_attended += tl.sum(attend.to(tl.int32), axis=1)
+            elif LENGTHS == 0:
                 valid_tokens += tl.sum(real.to(tl.int64))
-            if LENGTHS == 1:
+            elif LENGTHS == 1:
                 visible = cols.to(tl.float32)[None, :] < row_length[:, None]
                 valid_tokens += tl.sum((real & visible).to(tl.int64))
-            if LENGTHS == 2:
+            elif LENGTHS == 2:
                 length = tl.load(lengths + rows[:, None] * lengths_stride_b + cols[None, :] * lengths_stride_l,
                                  mask=real, other=0).to(length_type)
                 if CLAMP:
@@ -102,6 +115,8 @@ def _stage_inputs_kernel(ids, ids_stride_b, ids_stride_l, segments, segments_str
                 tl.store(length_buffer + slots, length, mask=in_buffer)
                 nan_lengths += tl.sum((real & (length != length)).to(tl.int64))
                 keyless += tl.sum((real & ~(length > 0)).to(tl.int64))
+        if MASK:
+            keyless += tl.sum((real_row & (row_attended == 0)).to(tl.int64))
     if not HAS_SEGMENTS:
         segment_min, segment_max = tl.zeros((), tl.int64), tl.zeros((), tl.int64)
     tl.store(stats + 0, token_min)
@@ -126,7 +141,8 @@ def _strides(t):
 def stage_inputs(inputs, buffers, stats, *, full_length, clamp):
     """Write ``inputs`` (ids (B, L), segments (B, L) or None, lengths None, (B,) or (B, L))
     into ``buffers`` (ids and segments (B_b, L_b), lengths (B_b,) or (B_b, L_b), contiguous,
-    B_b >= B, L_b >= L), and the STATS of the call into ``stats`` (7 int64): one launch."""
+    B_b >= B, L_b >= L), and the STATS of the call into ``stats`` (7 int64): one launch. A bool
+    lengths buffer (B_b, L_b) takes an attention mask (nonzero = attend; None: every token)."""
     ids, segments, lengths = inputs
     id_buffer, segment_buffer, length_buffer = buffers
     batch, seqlen = ids.shape
@@ -138,7 +154,7 @@ def stage_inputs(inputs, buffers, stats, *, full_length, clamp):
         ids if lengths is None else lengths, *(_strides(lengths) if lengths is not None else (0, 0)),
         id_buffer, segment_buffer, length_buffer, stats,
         batch, seqlen, padded_batch, padded_seqlen, full_length,
-        HAS_SEGMENTS=segments is not None, LENGTHS=mode, CLAMP=bool(clamp),
+        HAS_SEGMENTS=segments is not None, LENGTHS=mode, MASK=length_buffer.dtype == torch.bool, CLAMP=bool(clamp),
         BLOCK_B=BLOCK_B, BLOCK_L=BLOCK_L, num_warps=8)
     return stats
 
@@ -160,6 +176,12 @@ def input_stats(buffers, batch, seqlen, *, has_segments, has_lengths, values=Tru
             stats[2:4] = torch.aminmax(segment_buffer[:batch, :seqlen])
         if region is not None and region.is_floating_point():
             stats[4] = region.isnan().sum()
+    if region is not None and region.dtype == torch.bool:      # an attention mask
+        if tokens:
+            stats[5] = region.sum()
+        if keyless:
+            stats[6] = (~region.any(dim=1)).sum()
+        return torch.stack([as_dtype(s, torch.int64) for s in stats])
     if tokens:
         if region is None:
             stats[5] = id_buffer.new_full((), batch * seqlen, dtype=torch.int64)
