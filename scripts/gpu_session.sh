@@ -76,7 +76,7 @@ for step in "$@"; do
         parallel=()
         python -c "import xdist" 2>/dev/null && parallel=(-n "${GPU_TEST_WORKERS:-8}")
         run tests-gpu python -m pytest -q -rfE -p no:cacheprovider "${parallel[@]}" --durations=15 \
-            --junitxml "$results/$stamp-tests-gpu.xml" tests/test_cuda_graph.py tests/test_launch.py \
+            --junitxml "$results/$stamp-tests-gpu.xml" tests/test_cuda_graph.py tests/test_graph_inputs.py tests/test_launch.py \
             tests/test_attention_triton.py::test_gpu_real_sizes_vs_torch_path \
             tests/test_attention_triton.py::test_gpu_varlen_vs_torch_path \
             tests/test_attention_triton.py::test_gpu_dropout_keep_rate_and_compile \
@@ -115,7 +115,7 @@ for step in "$@"; do
                 compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 99 \
                 python -m pytest -q -x -p no:cacheprovider tests/test_attention_triton.py \
                 tests/test_add_layernorm_triton.py tests/test_embedding_triton.py tests/test_bias_act_triton.py \
-                tests/test_id_guards.py -k "not opcheck and not gradcheck and not compile"
+                tests/test_id_guards.py tests/test_graph_inputs.py -k "not opcheck and not gradcheck and not compile"
         done ;;
     kernels)
         run kernels python -m bert_fast.kernel_bench --json "$results/$stamp-kernels.json" ;;
