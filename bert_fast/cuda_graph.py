@@ -635,7 +635,11 @@ class _InputSlot:
         ids, segments, lengths = inputs
         if graph_inputs.uses_kernel(ids):
             self.filled = "all"
-            return graph_inputs.stage_inputs(inputs, self.buffers, self.stats, full_length=full_lengths, clamp=clamp)
+            try:
+                return graph_inputs.stage_inputs(inputs, self.buffers, self.stats, full_length=full_lengths,
+                                                 clamp=clamp)
+            except Exception as error:      # e.g. Triton cannot compile for this GPU: PyTorch ops instead
+                graph_inputs.kernel_failed(ids.device, error)
         self.fill(inputs, full_lengths, clamp)
         if not (values or tokens or keyless):
             return None

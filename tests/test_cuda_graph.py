@@ -1033,6 +1033,30 @@ def test_input_check_from_the_staged_inputs(stub, staging, skip_padding):
     assert stub.attempts == 1 and stub.replays == 2
 
 
+def test_staging_kernel_failure_falls_back_to_torch_ops(stub, monkeypatch):
+    """A staging kernel that cannot run (e.g. a GPU this Triton cannot compile for) costs one
+    warning; that device's calls then stage with PyTorch ops, with the same results."""
+    attempts = []
+
+    def failing(*args, **kwargs):
+        attempts.append(1)
+        raise RuntimeError("no kernel image is available for execution on the device\nsecond line")
+
+    monkeypatch.setattr(graph_inputs, "cpu_kernel", lambda t: False)      # CPU tensors take the kernel's path
+    monkeypatch.setattr(graph_inputs, "stage_inputs", failing)
+    monkeypatch.setattr(graph_inputs, "_FAILED_DEVICES", set())
+    encoder = auto_encoder()
+    tokens, segments = random_inputs(B, L, VOCAB)
+    valid_lens = lengths("1d_float_pos", B, L)
+    expected = eager_forward(encoder, tokens, segments, valid_lens)
+    with pytest.warns(RuntimeWarning, match=r"staging kernel failed on cpu \(RuntimeError: no kernel image"):
+        assert_eager_result(graphed(encoder, tokens, segments, valid_lens), expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_eager_result(graphed(encoder, tokens, segments, valid_lens), expected, "second call")
+    assert len(attempts) == 1 and stub.attempts == 1 and stub.replays == 2
+
+
 def test_tensor_subclass_parameters_run_eagerly(stub):
     class Tagged(torch.Tensor):
         pass

@@ -26,6 +26,8 @@ in fp16/bf16 could round L). With ``clamp`` lengths above L become L, so padded 
 masked (NaN stays NaN).
 """
 
+import warnings
+
 import torch
 
 from ._triton import as_dtype, cpu_kernel, HAS_TRITON, launch, tl, triton
@@ -128,10 +130,23 @@ def _stage_inputs_kernel(ids, ids_stride_b, ids_stride_l, segments, segments_str
     tl.store(stats + 6, keyless)
 
 
+# Devices where the kernel failed to launch (e.g. a GPU that this Triton cannot compile for):
+# their calls stage with PyTorch ops from then on.
+_FAILED_DEVICES = set()
+
+
 def uses_kernel(ids):
     """Whether stage_inputs can run for these inputs (CUDA with Triton; CPU tensors only where
     the launchers take them: the interpreter tests, the host benchmark's GPU path)."""
-    return HAS_TRITON and not cpu_kernel(ids)
+    return HAS_TRITON and not cpu_kernel(ids) and (not _FAILED_DEVICES or ids.device not in _FAILED_DEVICES)
+
+
+def kernel_failed(device, error):
+    """Stage with PyTorch ops on ``device`` from now on, with one warning saying why."""
+    _FAILED_DEVICES.add(device)
+    warnings.warn(f"bert_fast: the CUDA-graph input staging kernel failed on {device} ({type(error).__name__}: "
+                  f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}); staging with PyTorch ops "
+                  f"there instead (a few more launches per graph replay)", RuntimeWarning, stacklevel=2)
 
 
 def _strides(t):
