@@ -4,19 +4,20 @@ Before each replay of an automatic graph (bert_fast.cuda_graph) the call's token
 and valid_lens are written into the graph's static (B_b, L_b) buffers, zero-padded, and the
 host may have to read a few facts about them: whether the ids are in range (``check_inputs``),
 how many tokens are valid (skip_padding picks its graph by that count), whether some row sees
-no key (then an exact call keeps its L). Done with PyTorch ops that is 3-4 copies plus 3-7
-small reductions and one host read per read fact: on a GPU host each op is a kernel launch,
-and on the H200 of 2026-11-26 (benchmarks/results/nvidia-h200-2026-11-26-*) the automatic
-graph's call took 0.45 ms more than the bare replay at B1 L128, mostly such host work.
+no key (then an exact call keeps its L). Done with PyTorch ops that is 3-4 copies plus up to
+12 small ops and a host read per fact read (two with check_inputs and skip_padding): on a GPU
+host each op is a kernel launch, and on the H200 of 2026-11-26
+(benchmarks/results/nvidia-h200-2026-11-26-*) the automatic graph's call took 0.45 ms more
+than the bare replay at B1 L128, mostly such host work.
 
-On CUDA with Triton it is one kernel: a single program walks the (B_b, L_b) buffers in tiles
-of BLOCK_B x BLOCK_L,
-writes every element (the inputs where they are, zeros around them, None segments as zeros,
-None lengths as ``full_length`` for the real rows), and reduces the facts into one int64
-vector, ``STATS``, that the host reads with one sync when it needs any of them, or never.
-One program: the buffers hold at most a few hundred thousand ids, a few microseconds of one
-SM, and no second launch to combine partial results. Elsewhere (the CPU, the stubbed graphs
-of the tests, CUDA without Triton) ``input_stats`` computes the same vector with PyTorch ops
+On CUDA with Triton it is one kernel: a single program walks the (B_b, L_b) buffers in
+BLOCK_B x BLOCK_L tiles, writes every element (the inputs where they are, zeros around them,
+None segments as zeros, None lengths as ``full_length`` for the real rows), and reduces the
+facts into one int64 vector, ``STATS``, that the host reads with one sync when it needs any
+of them, or never. One program: the buffers hold at most a few hundred thousand ids, a few
+microseconds of one SM (an estimate: not timed on a GPU yet), and no second launch to combine
+partial results. Elsewhere (the CPU, the stubbed graphs of the tests, CUDA without Triton, a
+device where the kernel failed) ``input_stats`` computes the same vector with PyTorch ops
 from buffers the caller filled.
 
 Lengths follow the attention's rule: key j is visible iff float32(j) < valid_len, compared
