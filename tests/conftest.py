@@ -20,6 +20,10 @@ def staging(request, monkeypatch):
         if not (HAS_TRITON and interpreting()):
             pytest.skip("the staging kernel on CPU tensors needs triton and TRITON_INTERPRET=1")
         monkeypatch.setattr(graph_inputs, "uses_kernel", lambda ids: True)
+
+        def raise_it(device, error):         # no quiet fallback to PyTorch ops here: the kernel is under test
+            raise error
+        monkeypatch.setattr(graph_inputs, "kernel_failed", raise_it)
     return request.param
 
 

@@ -169,7 +169,7 @@ def stage_inputs(inputs, buffers, stats, *, full_length, clamp):
         ids if segments is None else segments, *_strides(ids if segments is None else segments),
         ids if lengths is None else lengths, *(_strides(lengths) if lengths is not None else (0, 0)),
         id_buffer, segment_buffer, length_buffer, stats,
-        batch, seqlen, padded_batch, padded_seqlen, full_length,
+        batch, seqlen, padded_batch, padded_seqlen, int(full_length),    # (an HF mask's default is True)
         HAS_SEGMENTS=segments is not None, LENGTHS=mode, MASK=length_buffer.dtype == torch.bool, CLAMP=bool(clamp),
         BLOCK_B=BLOCK_B, BLOCK_L=BLOCK_L, num_warps=8)
     return stats
