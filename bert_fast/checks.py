@@ -127,11 +127,17 @@ def _check_values(tokens, segments, valid_lens, vocab_size):
     if valid_lens is not None and valid_lens.is_floating_point():
         stats.append(valid_lens.isnan().any().reshape(1).to(ids.dtype))
     (token_min, segment_min, token_max, segment_max, *has_nan) = torch.cat(stats).tolist()
+    raise_for_values(token_min, token_max, segment_min, segment_max, bool(has_nan and has_nan[0]), vocab_size)
+
+
+def raise_for_values(token_min, token_max, segment_min, segment_max, has_nan, vocab_size):
+    """The value checks' errors, from the ids' ranges and whether valid_lens holds a NaN (read by
+    _check_values, or by cuda_graphs=True's staging kernel)."""
     if token_min < 0 or token_max >= vocab_size:
         raise ValueError(f"token ids must be in [0, {vocab_size}), got values in [{token_min}, {token_max}]")
     if segment_min < 0 or segment_max > 1:
         raise ValueError(f"segment ids must be 0 or 1, got values in [{segment_min}, {segment_max}]")
-    if has_nan and has_nan[0]:
+    if has_nan:
         raise ValueError("valid_lens contains NaN")
 
 

@@ -182,7 +182,7 @@ import torch
 from torch import nn
 
 from .backend import backend_for
-from .checks import check_encoder_shapes
+from .checks import check_encoder_shapes, raise_for_values
 from .ops import graph_inputs
 from .reference import BERTModel
 
@@ -943,11 +943,8 @@ class _EncoderCalls(_Calls):
                 not encoder.skip_padding and valid_lens is not None and bucket.seqlen > tokens.shape[1])
 
     def check_values(self, stats, inputs):
-        encoder = self.module
-        if not (0 <= stats["token_min"] and stats["token_max"] < encoder.token_embedding.num_embeddings
-                and 0 <= stats["segment_min"] and stats["segment_max"] <= 1 and not stats["nan_lengths"]):
-            encoder.validate_inputs(*inputs)          # raises the eager check's message
-            raise ValueError(f"invalid encoder inputs: {stats}")     # (unreachable: the check above agrees)
+        raise_for_values(stats["token_min"], stats["token_max"], stats["segment_min"], stats["segment_max"],
+                         stats["nan_lengths"] > 0, self.module.token_embedding.num_embeddings)
 
     def settings(self, device):
         encoder = self.module
