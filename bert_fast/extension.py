@@ -37,6 +37,7 @@ SHARED_CXX_RUNTIME = ["-Wl,-Bdynamic", "-lstdc++"] if sys.platform.startswith("l
 
 _lock = threading.Lock()
 _state = {"loaded_from": None, "error": None, "cuda_kernels": False}
+_image_problems = {}     # GPU index -> kernel_image_problem(index)
 
 # OPS by name, as the C++ entry point ``torch.ops.bert_fast.<name>.default`` calls once its two
 # Python frames are passed (~0.4 us a call: the eager path calls them on every layer). Filled on
@@ -64,6 +65,7 @@ def _ops_registered():
 
 
 def _finish_loading(where):
+    _image_problems.clear()     # answers given before this extension loaded
     # Fake kernels and autograd of the ext ops (the op modules, not the functions that
     # bert_fast.ops exports under the same names).
     for module in ("bert_fast.ops.embedding", "bert_fast.ops.add_layernorm"):
@@ -104,6 +106,22 @@ def load_error():
 def has_cuda_kernels():
     """Whether the loaded extension was built with its CUDA ops."""
     return loaded_from() is not None and _state["cuda_kernels"]
+
+
+def kernel_image_problem(index=None):
+    """Why the loaded extension's CUDA kernels cannot run on GPU ``index`` (None: the current
+    one), or None: no extension, one built without CUDA ops, or one without machine code or PTX
+    for that GPU's architecture (built with BERT_FAST_CUDA_ARCHS that leave it out). Never
+    builds or launches anything; the answer is kept per GPU."""
+    if not load():
+        return f"the extension is not built ({load_error()})"
+    if not has_cuda_kernels():
+        return "the extension was built without its CUDA ops"
+    if index is None:
+        index = torch.cuda.current_device()
+    if index not in _image_problems:
+        _image_problems[index] = torch.ops.bert_fast.ext_cuda_kernel_image_problem(index) or None
+    return _image_problems[index]
 
 
 def build_extension(verbose=True, with_cuda=None):

@@ -48,7 +48,15 @@ def report():
     else:
         lines.append(f"  cuda    unavailable: {extension.load_error()}; build with "
                      "`pip install --no-build-isolation -e .` or bert_fast.build_extension()")
-    auto_cuda = "triton" if backend.AUTO_USES_TRITON_ON_CUDA and HAS_TRITON else "torch"
+    if torch.cuda.is_available():
+        auto_cuda = backend.backend_for("auto", torch.device("cuda"))
+        problem = extension.kernel_image_problem()
+        if auto_cuda == "triton" and backend.AUTO_USES_EXTENSION_ON_CUDA and problem:
+            auto_cuda += f" (not cuda: {problem})"
+    elif backend.AUTO_USES_TRITON_ON_CUDA and HAS_TRITON:
+        auto_cuda = "cuda where the extension has kernels for the GPU, else triton"
+    else:
+        auto_cuda = "torch"
     lines.append(f"  auto    (default) torch on CPU inputs, {auto_cuda} on CUDA inputs")
     return lines
 

@@ -12,6 +12,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -19,6 +20,7 @@
 #include <cuda_runtime_api.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -244,8 +246,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layernorm_bwd_cud
   return {d_residual.view(x.sizes()), dropout ? d_x.view(x.sizes()) : d_x, d_weight, d_bias};
 }
 
+// ----------------------------------------------------------------------------------------
+// Whether GPU `device` can run these kernels: "" if it can, else the runtime's reason. The
+// backend "auto" asks once per GPU before it chooses them (bert_fast/backend.py).
+
+std::string kernel_image_problem(int64_t device) {
+  const int64_t count = c10::cuda::device_count();
+  TORCH_CHECK_VALUE(device >= 0 && device < count, "device index ", device, " is out of range: ", count,
+                    " CUDA device(s) are visible");
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  const int status = kernel_image_status();
+  return status == 0 ? std::string() : std::string(cudaGetErrorString(static_cast<cudaError_t>(status)));
+}
+
 }  // namespace
 }  // namespace bert_fast
+
+// Takes no tensor, so no dispatch key: one kernel for every caller, defined with its schema.
+TORCH_LIBRARY_FRAGMENT(bert_fast, m) {
+  m.def("ext_cuda_kernel_image_problem(int device) -> str", &bert_fast::kernel_image_problem);
+}
 
 TORCH_LIBRARY_IMPL(bert_fast, CUDA, m) {
   m.impl("ext_embedding_sum_fwd", &bert_fast::embedding_sum_fwd_cuda);

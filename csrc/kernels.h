@@ -78,4 +78,11 @@ int launch_add_layernorm_bwd(DType dtype, void* d_residual, void* d_x, float* d_
                              int64_t rows, int64_t hidden, const int64_t* seed, double dropout_p,
                              cudaStream_t stream);
 
+// 0 (cudaSuccess) when the current GPU can run this build's kernels: they hold machine code
+// for its architecture, or PTX its driver compiles. Else the runtime's error, e.g.
+// cudaErrorNoKernelImageForDevice for a GPU the extension was not built for (setup.py's
+// BERT_FAST_CUDA_ARCHS). Every .cu file is compiled for the same architectures, so one kernel
+// answers for all. Launches nothing and leaves no error behind for the next launch check.
+int kernel_image_status();
+
 }  // namespace bert_fast

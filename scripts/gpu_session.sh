@@ -119,6 +119,10 @@ for step in "$@"; do
         done ;;
     kernels)
         run kernels python -m bert_fast.kernel_bench --json "$results/$stamp-kernels.json" ;;
+    profile)
+        # The kernels of one forward (torch profiler) and its CUDA-graph replay time, per shape:
+        # where the GPU time goes, the auto backend beside triton.
+        run profile python scripts/profile_kernels.py --backends auto triton ;;
     host)
         # Host time of a forward and forward+backward at negligible arithmetic, kernel launches per layer.
         run host python -m bert_fast.bench --suite host --json "$results/$stamp-host.json" ;;
@@ -136,7 +140,7 @@ for step in "$@"; do
             --matrix-preset base --matrix-dtype bfloat16 -k "not max_autotune" \
             --matrix-record "$results/$stamp-matrix.json" --benchmark-json "$results/$stamp-matrix-benchmark.json" ;;
     *)
-        echo "unknown step '$step' (install build tests tests-gpu sanitize kernels host host-skip-padding suite-base suite-base-fp16 suite-large" \
+        echo "unknown step '$step' (install build tests tests-gpu sanitize kernels profile host host-skip-padding suite-base suite-base-fp16 suite-large" \
              "suite-train matrix)" >&2
         failures=$((failures + 1)) ;;
     esac

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from bert_fast import FastBERTEncoder, FastEncoderBlock, FastMultiHeadAttention
+from bert_fast import FastBERTEncoder, FastEncoderBlock, FastMultiHeadAttention, extension
 from tests.helpers import encoder_config, encoder_pair, random_inputs
 
 B, L = 2, 7
@@ -121,11 +121,46 @@ def test_auto_backend_follows_the_device():
     from bert_fast import backend
     from bert_fast.ops._triton import HAS_TRITON
     assert backend.backend_for("auto", torch.device("cpu")) == "torch"
-    expected = "triton" if backend.AUTO_USES_TRITON_ON_CUDA and HAS_TRITON else "torch"
+    if not (backend.AUTO_USES_TRITON_ON_CUDA and HAS_TRITON):
+        expected = "torch"
+    elif torch.cuda.is_available() and extension.kernel_image_problem(0) is None:     # built with CUDA kernels for this GPU
+        expected = "cuda"
+    else:
+        expected = "triton"
     assert backend.backend_for("auto", torch.device("cuda")) == expected
+    assert backend.backend_for("auto", torch.device("cuda", 0)) == expected
     backend_for = backend.backend_for
     assert backend_for("torch", torch.device("cuda")) == "torch"
     assert backend_for("triton", torch.device("cpu")) == "triton"
+
+
+@pytest.mark.parametrize("problem", [None, "no kernel image is available for execution on the device"])
+def test_auto_prefers_the_extension_where_its_kernels_run_on_the_gpu(monkeypatch, problem):
+    """auto on CUDA inputs: the extension's kernels (backend cuda) where kernel_image_problem
+    finds none for that GPU, else Triton's; asked per GPU index, never for CPU inputs."""
+    from bert_fast import backend
+    from bert_fast.ops._triton import HAS_TRITON
+    if not HAS_TRITON:
+        pytest.skip("auto runs CUDA inputs on the torch backend without Triton")
+    asked = []
+    monkeypatch.setattr(extension, "kernel_image_problem", lambda index=None: asked.append(index) or problem)
+    expected = "cuda" if problem is None else "triton"
+    assert backend.backend_for("auto", torch.device("cuda", 1)) == expected
+    assert backend.backend_for("auto", torch.device("cpu")) == "torch"
+    assert asked == [1]
+    monkeypatch.setattr(backend, "AUTO_USES_EXTENSION_ON_CUDA", False)
+    assert backend.backend_for("auto", torch.device("cuda", 1)) == "triton" and asked == [1]
+
+
+def test_kernel_image_problem_says_why_the_extension_cannot_run_on_a_gpu():
+    if not extension.load():
+        assert "not built" in extension.kernel_image_problem(0)
+    elif not extension.has_cuda_kernels():
+        assert extension.kernel_image_problem(0) == "the extension was built without its CUDA ops"
+    else:
+        assert extension.kernel_image_problem(0) is None, "the extension's kernels should run on this GPU"
+        with pytest.raises(ValueError, match="device index 99 is out of range"):
+            torch.ops.bert_fast.ext_cuda_kernel_image_problem(99)
 
 
 def test_segment_ids_of_a_wider_dtype_are_checked_without_wrapping():

@@ -8,6 +8,10 @@ scalar paths), rows 1 / 7 / 4096; odd alignments (a storage offset of one elemen
 fp16, row-strided tables) take the kernels' scalar paths.
 """
 
+import pathlib
+import shutil
+import subprocess
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -21,6 +25,7 @@ from tests.helpers import BF16_OK, FLOOR, assert_close, assert_within_rule, max_
 from tests.isolated import ExtOpsInChild
 
 pytestmark = needs_cuda
+CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16"),
           pytest.param(torch.bfloat16, id="bf16",
@@ -447,3 +452,27 @@ def test_opcheck(ops):
     tokens, segments, token_weight, segment_weight, pos_weight, _ = embedding_inputs(16, 40, torch.float32, False)
     torch.library.opcheck(ops.ext_embedding_sum_fwd.default,
                           (tokens, segments, token_weight.requires_grad_(), segment_weight, pos_weight, None))
+
+
+# ------------------------------------------------------------------------------------------
+# kernel_image_status: whether the backend "auto" may choose these kernels on this GPU
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: the probe programs need the CUDA toolkit")
+def test_kernel_image_status_tells_a_build_for_another_architecture(ops, tmp_path):
+    """kernel_image_status (the op ext_cuda_kernel_image_problem) on builds of embedding_sum.cu
+    with machine code only (no PTX): 0 for this GPU's architecture; an error for another major
+    version, whose machine code this GPU cannot run, so auto keeps to the Triton kernels there."""
+    assert ops.ext_cuda_kernel_image_problem(torch.cuda.current_device()) == ""
+    major, minor = torch.cuda.get_device_capability()
+    main = tmp_path / "probe.cu"
+    main.write_text('#include <cstdio>\n#include "kernels.h"\n'
+                    'int main() { std::printf("%d\\n", bert_fast::kernel_image_status()); return 0; }\n')
+    statuses = {}
+    for arch in (f"{major}{minor}", "80" if major != 8 else "90"):
+        program = tmp_path / f"probe_sm{arch}"
+        subprocess.run([shutil.which("nvcc"), "-std=c++17", "-gencode", f"arch=compute_{arch},code=sm_{arch}",
+                        "-I", str(CSRC), str(CSRC / "embedding_sum.cu"), str(main), "-o", str(program)],
+                       check=True, capture_output=True)
+        statuses[arch] = int(subprocess.run([str(program)], check=True, capture_output=True, text=True).stdout)
+    own, other = statuses.values()
+    assert own == 0 and other != 0, f"kernel_image_status by build architecture: {statuses}"
