@@ -247,13 +247,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layernorm_bwd_cud
 }
 
 // ----------------------------------------------------------------------------------------
-// Whether GPU `device` can run these kernels: "" if it can, else the runtime's reason. The
-// backend "auto" asks once per GPU before it chooses them (bert_fast/backend.py).
+// Whether GPU `device` can run these kernels: "" if it can, else why not. The backend "auto"
+// asks once per GPU before it chooses them (bert_fast/backend.py). Answers, never throws: on
+// the H200 (torch 2.11) a ValueError thrown from this op, which takes no tensor, crashed the
+// process instead of reaching Python.
 
 std::string kernel_image_problem(int64_t device) {
   const int64_t count = c10::cuda::device_count();
-  TORCH_CHECK_VALUE(device >= 0 && device < count, "device index ", device, " is out of range: ", count,
-                    " CUDA device(s) are visible");
+  if (device < 0 || device >= count) {
+    return "no CUDA device " + std::to_string(device) + " (" + std::to_string(count) + " visible)";
+  }
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   const int status = kernel_image_status();
   return status == 0 ? std::string() : std::string(cudaGetErrorString(static_cast<cudaError_t>(status)));

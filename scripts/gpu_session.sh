@@ -122,7 +122,7 @@ for step in "$@"; do
     profile)
         # The kernels of one forward (torch profiler) and its CUDA-graph replay time, per shape:
         # where the GPU time goes, the auto backend beside triton.
-        run profile python scripts/profile_kernels.py --backends auto triton ;;
+        run profile env PYTHONPATH=. python scripts/profile_kernels.py --backends auto triton ;;
     host)
         # Host time of a forward and forward+backward at negligible arithmetic, kernel launches per layer.
         run host python -m bert_fast.bench --suite host --json "$results/$stamp-host.json" ;;
