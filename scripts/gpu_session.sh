@@ -5,14 +5,17 @@
 #
 #   bash scripts/gpu_session.sh build tests        # the extension in place, every test
 #   bash scripts/gpu_session.sh sanitize kernels   # compute-sanitizer, per-kernel times
+#   bash scripts/gpu_session.sh build profile      # the kernels of one forward, graph replay time
 #   bash scripts/gpu_session.sh suite-base suite-train host   # the matrix (BERT-base bf16), a
 #                                                  # training step, host time per forward
 #   bash scripts/gpu_session.sh suite-base-fp16 suite-large host-skip-padding
 #
 # Seen on an H200 on 2026-11-26 (16 cores): start ~30 s; build 45 s; suite-base with
-# SUITE_ARGS=--no-autotune 105 s; suite-train 170+ s cold (compiling the step with Inductor
-# and Triton), 29 s on a warm machine (caches kept between calls); host 48 s; tests-gpu 97 s
-# with 8 workers. `tests` (the whole suite) and `sanitize` have not been timed on a GPU.
+# SUITE_ARGS=--no-autotune 87-105 s; suite-train 170+ s cold (compiling the step with Inductor
+# and Triton), 29 s on a warm machine (caches kept between calls); host 46-51 s; tests-gpu 97 s
+# with 8 workers before test_ext_cuda.py joined it, then cut at 200 s inside that file (whose
+# embedding cases recompiled the Triton kernels per row count: trimmed since, not re-timed).
+# `tests` (the whole suite), `sanitize` and `profile` have not been timed on a GPU.
 # A machine held idle for 30 s is given back and the next call starts a bare one (build again).
 #
 # STEP_TIMEOUT=S interrupts each step after S seconds (SIGINT: pytest prints what ran, and the
