@@ -112,16 +112,22 @@ def kernel_image_problem(index=None):
     """Why the loaded extension's CUDA kernels cannot run on GPU ``index`` (None: the current
     one), or None: no extension, one built without CUDA ops, or one without machine code or PTX
     for that GPU's architecture (built with BERT_FAST_CUDA_ARCHS that leave it out). Never
-    builds or launches anything; the answer is kept per GPU."""
-    if not load():
-        return f"the extension is not built ({load_error()})"
-    if not has_cuda_kernels():
-        return "the extension was built without its CUDA ops"
+    builds or launches anything. The answer is kept per GPU until an extension loads: the
+    backend "auto" asks on every layer of every forward."""
     if index is None:
         index = torch.cuda.current_device()
-    if index not in _image_problems:
-        _image_problems[index] = torch.ops.bert_fast.ext_cuda_kernel_image_problem(index) or None
-    return _image_problems[index]
+    try:
+        return _image_problems[index]
+    except KeyError:
+        pass
+    if not load():
+        problem = f"the extension is not built ({load_error()})"
+    elif not has_cuda_kernels():
+        problem = "the extension was built without its CUDA ops"
+    else:
+        problem = torch.ops.bert_fast.ext_cuda_kernel_image_problem(index) or None
+    _image_problems[index] = problem
+    return problem
 
 
 def build_extension(verbose=True, with_cuda=None):
