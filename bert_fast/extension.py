@@ -115,7 +115,7 @@ def kernel_image_problem(index=None):
     builds or launches anything. The answer is kept per GPU until an extension loads: the
     backend "auto" asks on every layer of every forward."""
     if index is None:
-        index = torch.cuda.current_device()
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
     try:
         return _image_problems[index]
     except KeyError:

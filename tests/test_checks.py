@@ -163,6 +163,21 @@ def test_kernel_image_problem_says_why_the_extension_cannot_run_on_a_gpu():
         assert torch.ops.bert_fast.ext_cuda_kernel_image_problem(count) == f"no CUDA device {count} ({count} visible)"
 
 
+def test_kernel_image_problem_is_worked_out_once_per_gpu(monkeypatch):
+    """auto asks on every layer of every forward: without an extension, the import must not be
+    tried again each time; a loaded extension is asked again."""
+    loads = []
+    monkeypatch.setattr(extension, "_image_problems", {})
+    monkeypatch.setattr(extension, "load", lambda: loads.append(1) or False)
+    monkeypatch.setattr(extension, "load_error", lambda: "no bert_fast._C here")
+    for _ in range(3):
+        assert extension.kernel_image_problem(5) == "the extension is not built (no bert_fast._C here)"
+    assert len(loads) == 1
+    extension._image_problems.clear()           # what loading an extension does
+    extension.kernel_image_problem(5)
+    assert len(loads) == 2
+
+
 def test_segment_ids_of_a_wider_dtype_are_checked_without_wrapping():
     """int32 tokens with an int64 segment id of 2**33: read in a common narrower dtype it would
     wrap to 0 and pass; it must be reported."""
