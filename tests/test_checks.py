@@ -157,6 +157,8 @@ def test_kernel_image_problem_says_why_the_extension_cannot_run_on_a_gpu():
         assert "not built" in extension.kernel_image_problem(0)
     elif not extension.has_cuda_kernels():
         assert extension.kernel_image_problem(0) == "the extension was built without its CUDA ops"
+    elif not torch.cuda.is_available():       # CUDA kernels built (a CUDA build of torch), no GPU
+        assert extension.kernel_image_problem(0) == "no CUDA device 0 (0 visible)"
     else:
         assert extension.kernel_image_problem(0) is None, "the extension's kernels should run on this GPU"
         count = torch.cuda.device_count()
