@@ -74,12 +74,13 @@ for step in "$@"; do
         run info python -m bert_fast.info --require-extension ;;
     tests-gpu)
         # The GPU-only tests, the graph and launch files, and the extension's GPU tests (with
-        # the HF ones on backend cuda, what choosing cuda for auto needs): the part of the
+        # the HF ones on backend cuda, and test_checks' probe of the extension's kernel image:
+        # what choosing cuda for auto needs): the part of the
         # suite a short lease can run (97 s on the H200 before test_ext_cuda was added).
         parallel=()
         python -c "import xdist" 2>/dev/null && parallel=(-n "${GPU_TEST_WORKERS:-8}")
         run tests-gpu python -m pytest -q -rfE -p no:cacheprovider "${parallel[@]}" --durations=15 \
-            --junitxml "$results/$stamp-tests-gpu.xml" tests/test_cuda_graph.py tests/test_graph_inputs.py tests/test_launch.py \
+            --junitxml "$results/$stamp-tests-gpu.xml" tests/test_cuda_graph.py tests/test_graph_inputs.py tests/test_launch.py tests/test_checks.py \
             tests/test_attention_triton.py::test_gpu_real_sizes_vs_torch_path \
             tests/test_attention_triton.py::test_gpu_varlen_vs_torch_path \
             tests/test_attention_triton.py::test_gpu_dropout_keep_rate_and_compile \
