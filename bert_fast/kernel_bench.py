@@ -286,11 +286,14 @@ def _measure_method(forward, leaves, direction):
 
 
 MEMORY_BOUND_OPS = ("add_layernorm", "bias_act relu", "embedding_sum")
+OP_CHOICES = ("attention", "add_layernorm", "bias_act", "embedding_sum")
 
 
 def memory_bound_rows(device, dtype, copy_gbps, tokens=16 * 512, sizes=((768, 3072), (1024, 4096)),
                       only=MEMORY_BOUND_OPS):
-    """Rows for the memory-bound ops in ``only``, at each (hidden, ffn) of ``sizes``."""
+    """Rows for the memory-bound ops in ``only``, at each (hidden, ffn) of ``sizes``; ``tokens``
+    rows (embedding_sum: sequences of min(tokens, 512))."""
+    seq = min(tokens, 512)
     rows = []
     e = torch.finfo(dtype).bits // 8
     # The compiled extension's CUDA ops too, where they are built (backend "cuda").
@@ -306,8 +309,8 @@ def memory_bound_rows(device, dtype, copy_gbps, tokens=16 * 512, sizes=((768, 30
         token_w = torch.randn(30522, hidden, device=device, dtype=dtype, requires_grad=True)
         segment_w = torch.randn(2, hidden, device=device, dtype=dtype, requires_grad=True)
         pos_w = torch.randn(1, 512, hidden, device=device, dtype=dtype)
-        ids = torch.randint(0, 30522, (tokens // 512, 512), device=device)
-        segs = torch.randint(0, 2, (tokens // 512, 512), device=device)
+        ids = torch.randint(0, 30522, (tokens // seq, seq), device=device)
+        segs = torch.randint(0, 2, (tokens // seq, seq), device=device)
         cases = {
             # op: (forward per backend, leaves, bytes it must move fwd, fwd+bwd)
             "add_layernorm": (
@@ -359,7 +362,18 @@ def parse_args(argv=None):
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--json", metavar="PATH", help="also write the rows and run details to PATH")
-    return parser.parse_args(argv)
+    parser.add_argument("--ops", nargs="+", choices=OP_CHOICES, default=list(OP_CHOICES),
+                        help="which ops to time (default: all)")
+    parser.add_argument("--tokens", nargs="+", type=int, default=[16 * 512], metavar="N",
+                        help="rows of the memory-bound ops, each a run of its own (default 8192): "
+                             "a few hundred is a forward at batch 1, where a kernel's grid, not its "
+                             "bandwidth, sets the time; at most 512 or a multiple of 512")
+    args = parser.parse_args(argv)
+    for n in args.tokens:
+        if n < 1 or (n > 512 and n % 512):
+            parser.error(f"--tokens {n}: give a count in [1, 512] or a multiple of 512 "
+                         "(embedding_sum runs it as sequences of up to 512 tokens)")
+    return args
 
 
 def unavailable_reason():
@@ -390,9 +404,16 @@ def main(argv=None):
         print(f"copy bandwidth: {copy_timing['note']}")
     print(f"GPU ms: {CALLS_PER_GRAPH} calls in one CUDA graph, median of {REPLAYS} replays; "
           f"host us: {HOST_CALLS} back-to-back eager calls, median of {HOST_ROUNDS} rounds", flush=True)
-    rows = attention_rows(device, dtype) + memory_bound_rows(device, dtype, copy_gbps)
-    for row in rows:
-        print(format_row(row))
+    rows = []
+    only = [op for op in MEMORY_BOUND_OPS if op.split()[0] in args.ops]
+    batches = ([lambda: attention_rows(device, dtype)] if "attention" in args.ops else []) + [
+        lambda tokens=tokens: memory_bound_rows(device, dtype, copy_gbps, tokens=tokens, only=only)
+        for tokens in (args.tokens if only else ())]
+    for batch in batches:       # printed as they come: a run cut short still shows what it timed
+        new_rows = batch()
+        for row in new_rows:
+            print(format_row(row), flush=True)
+        rows += new_rows
     if args.json:
         record = dict(device=name, torch=torch.__version__, triton=triton.__version__,
                       cuda=torch.version.cuda, dtype=args.dtype, command=list(sys.orig_argv),

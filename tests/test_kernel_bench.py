@@ -168,6 +168,11 @@ def test_rows_on_cpu_with_stub_timings(monkeypatch):
         flops = 4 * 2 * 2 * 16**2 * 16 * (1 if row["direction"] == "fwd" else 3.5)
         assert row["tflops"] == pytest.approx(flops / 0.5e-3 / 1e12)
         assert kb.format_row(row).startswith("attention")
+    # Fewer tokens than a sequence of 512 (a batch-1 forward): one sequence of that length.
+    embedding = kb.memory_bound_rows(torch.device("cpu"), torch.float16, copy_gbps=100.0, tokens=128,
+                                     sizes=((32, 64),), only=("embedding_sum",))
+    assert {(r["op"], r["tokens"]) for r in embedding} == {("embedding_sum", 128)}
+    assert by_key["add_layernorm", "triton", "fwd"]["tokens"] == 512
 
 
 def test_format_row_with_note_error_and_missing_times():
@@ -197,6 +202,13 @@ def test_parse_args():
     with pytest.raises(SystemExit) as exit_info:
         kb.parse_args(["--dtype", "float32"])
     assert exit_info.value.code == 2
+    assert (args.ops, args.tokens) == (list(kb.OP_CHOICES), [8192])
+    args = kb.parse_args(["--ops", "add_layernorm", "embedding_sum", "--tokens", "128", "1024"])
+    assert (args.ops, args.tokens) == (["add_layernorm", "embedding_sum"], [128, 1024])
+    for tokens in ("700", "0"):     # embedding_sum's sequences: up to 512 tokens, all the same length
+        with pytest.raises(SystemExit) as exit_info:
+            kb.parse_args(["--tokens", tokens])
+        assert exit_info.value.code == 2
 
 
 def test_main_without_cuda_exits_with_a_message(monkeypatch):
