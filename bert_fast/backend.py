@@ -8,14 +8,16 @@
           built (bert_fast.extension).
   auto    (the default) decided per call from the inputs' device, so a model moved between
           devices keeps working. CUDA inputs (where Triton is installed): cuda where the
-          extension is built with CUDA kernels for that GPU, else triton. The rest: torch.
-          Never builds the extension.
+          extension is built with CUDA kernels for that GPU, else triton; triton inside our
+          CUDA-graph captures (capture_encoder, cuda_graphs=True). The rest: torch. Never
+          builds the extension.
 
 Chosen per module (``backend=`` argument), else by the ``BERT_FAST_BACKEND`` environment
 variable, else ``auto``. Asking for a backend this build does not have is an error that says
 so, never a silent fallback.
 """
 
+import contextlib
 import os
 
 from . import extension
@@ -29,8 +31,31 @@ AUTO_USES_TRITON_ON_CUDA = True
 # Measured on an H200 (benchmarks/results/nvidia-h200-2026-11-26T0520-*, bf16 BERT-base): eager
 # forwards as fast or 1.06-1.25x faster than with triton alone, a training step 1.13x; the
 # host time of a 12-layer forward at negligible arithmetic 2747 vs 3208 us (the C++ ops'
-# launch path is cheaper than Triton's launcher); replayed in a CUDA graph the two are equal.
+# launch path is cheaper than Triton's launcher).
 AUTO_USES_EXTENSION_ON_CUDA = True
+# Whether "auto" runs Triton's kernels instead inside our CUDA-graph captures (capturing_graph):
+# a replay has no host cost to save, and at a few hundred rows the extension's forward kernels
+# are slower on the GPU. H200, bf16 BERT-base B1 L128 (benchmarks/results/
+# nvidia-h200-2026-11-26T0725-profile.log, T0738-*): add_layernorm 4.39 vs 2.23 us a call,
+# embedding_sum 5.35 vs 2.77; graph replay 0.457-0.460 vs 0.403-0.404 ms; at B128 L128 and B16
+# L512 the two replays are within 1%.
+AUTO_CAPTURES_TRITON = True
+# > 0 while capturing_graph() is entered. A module global, not a thread-local: torch.compile
+# guards on a global's value, and a capture elsewhere only changes which of two exact
+# backends another thread's "auto" runs meanwhile.
+_graph_captures = 0
+
+
+@contextlib.contextmanager
+def capturing_graph():
+    """Where our graph captures warm up and record: "auto" runs triton on CUDA inputs there
+    (AUTO_CAPTURES_TRITON)."""
+    global _graph_captures
+    _graph_captures += 1
+    try:
+        yield
+    finally:
+        _graph_captures -= 1
 
 
 def resolve_backend(backend=None):
@@ -61,6 +86,12 @@ def available_backends():
     return usable
 
 
+def graph_backend_for(backend, device):
+    """backend_for as our graph captures see it (capturing_graph): part of a graph's key."""
+    resolved = backend_for(backend, device)
+    return "triton" if resolved == "cuda" and backend == "auto" and AUTO_CAPTURES_TRITON else resolved
+
+
 def backend_of(backend, tensor):
     """backend_for(backend, tensor.device), without making the device object unless it is
     needed (a module's forward asks on every call)."""
@@ -73,6 +104,8 @@ def backend_for(backend, device):
         return backend
     if device.type != "cuda" or not (AUTO_USES_TRITON_ON_CUDA and HAS_TRITON):
         return "torch"
+    if _graph_captures and AUTO_CAPTURES_TRITON:
+        return "triton"
     return _auto_on_gpu(device.index)
 
 

@@ -181,7 +181,7 @@ import weakref
 import torch
 from torch import nn
 
-from .backend import backend_for
+from .backend import capturing_graph, graph_backend_for
 from .checks import check_encoder_shapes, raise_for_values
 from .ops import graph_inputs
 from .reference import BERTModel
@@ -286,7 +286,7 @@ def _warmup_and_capture(run, device, pool, warmup_iters, capture_error_mode="glo
     own stream context encloses torch.cuda.graph's: when capture_end raises, graph's __exit__
     never restores the caller's stream, this context still does.
     """
-    with torch.cuda.device(device):
+    with torch.cuda.device(device), capturing_graph():
         stream = _capture_stream(device)
         current = torch.cuda.current_stream(device)
         stream.wait_stream(current)
@@ -948,7 +948,7 @@ class _EncoderCalls(_Calls):
 
     def settings(self, device):
         encoder = self.module
-        return (encoder.pos_embedding.dtype, backend_for(encoder.backend, device), bool(encoder.skip_padding))
+        return (encoder.pos_embedding.dtype, graph_backend_for(encoder.backend, device), bool(encoder.skip_padding))
 
     def fill_args(self, bucket, inputs):
         tokens, _, valid_lens = inputs

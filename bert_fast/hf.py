@@ -64,7 +64,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAtte
 from transformers.models.bert.modeling_bert import BertEmbeddings, BertLayer, BertModel
 
 from . import ops
-from .backend import backend_for, backend_of, resolve_backend
+from .backend import backend_of, graph_backend_for, resolve_backend
 from .cuda_graph import _Bucket, _Calls, _is_ids, _sliced, bucket_batch, bucket_seqlen, bucket_tokens, \
     clear_cuda_graphs, graphed
 from .ops._triton import values_on_host
@@ -540,7 +540,7 @@ class _GraphedCalls(_Calls):
 
     def settings(self, device):
         model = self.module
-        return (model.embeddings.word_embeddings.weight.dtype, backend_for(model.bert_fast_backend, device),
+        return (model.embeddings.word_embeddings.weight.dtype, graph_backend_for(model.bert_fast_backend, device),
                 bool(model.bert_fast_skip_padding))
 
     def fill_args(self, bucket, inputs):

@@ -11,9 +11,9 @@
 //
 // Layout: the threads of a row ("group") take 16-byte packs in turn: pack p of the row goes to
 // lane p % group, so a warp reads 512 contiguous bytes per step. For hidden <= 1024 a group is a
-// warp (16 lanes for hidden <= 128) and a block holds several rows (fewer when there are too few
-// rows to give every SM a block), so the row sums are warp shuffles only; larger rows get a
-// block each (16 elements per thread, <= 512 threads) and sum through shared memory. Every thread holds at most 32 elements (the backward's dropout mask is
+// warp (16 lanes for hidden <= 128) and a block holds several rows, so the row sums are warp
+// shuffles only; larger rows get a block each (16 elements per thread, <= 512 threads) and sum
+// through shared memory. Every thread holds at most 32 elements (the backward's dropout mask is
 // one 32-bit word per thread).
 //
 // Dropout: element (r, c) has Philox counter r * hidden + c (philox.h). The backward draws the
@@ -42,7 +42,6 @@ using cuda_utils::group_sum;
 using cuda_utils::is_aligned;
 using cuda_utils::kPack16;
 using cuda_utils::load_floats;
-using cuda_utils::rows_per_block_for;
 using cuda_utils::store_floats;
 
 // Threads per block when a group (<= 32 lanes) holds a row: forward 8 rows of 32 lanes; the
@@ -371,11 +370,10 @@ struct FwdArgs {
 
 template <typename T, int VEC, int LANES, int ELEMS, bool DROPOUT>
 void run_fwd(const FwdArgs& a, const Layout& layout, cudaStream_t stream) {
-  const int64_t rows_per_block = LANES > 0 ? rows_per_block_for(a.rows, LANES, layout.block_threads) : 1;
-  const int threads = LANES > 0 ? static_cast<int>(rows_per_block) * LANES : layout.block_threads;
+  const int64_t rows_per_block = LANES > 0 ? layout.block_threads / LANES : 1;
   const int64_t blocks = std::min<int64_t>((a.rows + rows_per_block - 1) / rows_per_block, INT32_MAX);
   add_layernorm_fwd_kernel<T, VEC, LANES, ELEMS, DROPOUT>
-      <<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+      <<<static_cast<unsigned>(blocks), layout.block_threads, 0, stream>>>(
           static_cast<T*>(a.out), a.mean, a.rstd, static_cast<const T*>(a.x), static_cast<const T*>(a.residual),
           static_cast<const T*>(a.weight), static_cast<const T*>(a.bias), a.rows, a.hidden, a.eps, a.seed,
           static_cast<float>(a.dropout_p), keep_scale_of(a.dropout_p));

@@ -8,7 +8,6 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
 
 #include "kernels.h"
@@ -151,38 +150,6 @@ __device__ __forceinline__ void block_sum(float (&values)[N], float* scratch) {
 
 inline bool is_aligned(const void* pointer, uintptr_t bytes) {
   return reinterpret_cast<uintptr_t>(pointer) % bytes == 0;
-}
-
-// The current device's SM count, asked once per device.
-inline int current_sm_count() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> counts[kMaxDevices];  // 0: not asked yet
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
-    cudaGetLastError();  // not left for the launch's error check
-    return 0;
-  }
-  int count = counts[device].load(std::memory_order_relaxed);
-  if (count == 0) {
-    if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-      cudaGetLastError();
-      return 0;
-    }
-    counts[device].store(count, std::memory_order_relaxed);
-  }
-  return count;
-}
-
-// Rows per block for a kernel that gives each row `lanes` threads (a power of two <= 32) and a
-// block at most `max_threads` (a power of two): the most that still give every SM a block, so
-// that a few rows (a forward at batch 1: 128 rows) spread over the GPU instead of queueing on a
-// few SMs; never less than a warp per block. On an H200, 8 rows a block left 116 of 132 SMs
-// idle at 128 rows, and the forward kernels took twice the Triton ones' time there.
-inline int rows_per_block_for(int64_t rows, int lanes, int max_threads) {
-  int per_block = max_threads / lanes;
-  const int64_t sms = current_sm_count();
-  while (per_block * lanes > 32 && (rows + per_block - 1) / per_block < sms) per_block /= 2;
-  return per_block;
 }
 
 }  // namespace cuda_utils

@@ -43,7 +43,6 @@ namespace {
 using cuda_utils::is_aligned;
 using cuda_utils::kPack16;
 using cuda_utils::load_floats;
-using cuda_utils::rows_per_block_for;
 using cuda_utils::store_floats;
 
 constexpr int kFwdThreads = 256;
@@ -255,10 +254,9 @@ struct FwdArgs {
 template <typename T, int VEC>
 void run_fwd(const FwdArgs& a, cudaStream_t stream) {
   const int lanes = lanes_for(a.hidden / VEC);
-  const int64_t rows_per_block = rows_per_block_for(a.rows, lanes, kFwdThreads);
+  const int64_t rows_per_block = kFwdThreads / lanes;
   const int64_t blocks = std::min<int64_t>((a.rows + rows_per_block - 1) / rows_per_block, INT32_MAX);
-  embedding_sum_fwd_kernel<T, VEC>
-      <<<static_cast<unsigned>(blocks), static_cast<int>(rows_per_block) * lanes, 0, stream>>>(
+  embedding_sum_fwd_kernel<T, VEC><<<static_cast<unsigned>(blocks), kFwdThreads, 0, stream>>>(
       static_cast<T*>(a.out), a.tokens, a.segments, a.positions, static_cast<const T*>(a.token_weight),
       a.token_stride, static_cast<const T*>(a.segment_weight), a.segment_stride,
       static_cast<const T*>(a.pos_weight), a.pos_stride, a.rows, a.seq_len, a.hidden, a.n_tokens, a.n_segments,

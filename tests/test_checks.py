@@ -152,6 +152,34 @@ def test_auto_prefers_the_extension_where_its_kernels_run_on_the_gpu(monkeypatch
     assert backend.backend_for("auto", torch.device("cuda", 1)) == "triton" and asked == [1]
 
 
+def test_auto_runs_triton_inside_our_graph_captures(monkeypatch):
+    """Inside capturing_graph (our captures' warmup and record) auto runs CUDA inputs on
+    triton even where it would pick the extension; explicit backends and CPU inputs keep theirs,
+    and graph keys (graph_backend_for) name what the capture runs."""
+    from bert_fast import backend
+    from bert_fast.ops._triton import HAS_TRITON
+    if not HAS_TRITON:
+        pytest.skip("auto runs CUDA inputs on the torch backend without Triton")
+    monkeypatch.setattr(extension, "kernel_image_problem", lambda index=None: None)
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert backend.backend_for("auto", gpu) == "cuda"
+    with backend.capturing_graph():
+        with backend.capturing_graph():         # nested: still inside until the outer one ends
+            pass
+        assert [backend.backend_for(b, gpu) for b in ("auto", "cuda", "torch")] == ["triton", "cuda", "torch"]
+        assert backend.backend_for("auto", cpu) == "torch"
+    assert backend.backend_for("auto", gpu) == "cuda"
+    with pytest.raises(RuntimeError), backend.capturing_graph():
+        raise RuntimeError("a failed capture")
+    assert backend.backend_for("auto", gpu) == "cuda"
+    assert [backend.graph_backend_for(b, gpu) for b in ("auto", "cuda", "triton")] == ["triton", "cuda", "triton"]
+    assert backend.graph_backend_for("auto", cpu) == "torch"
+    monkeypatch.setattr(backend, "AUTO_CAPTURES_TRITON", False)
+    with backend.capturing_graph():
+        assert backend.backend_for("auto", gpu) == "cuda"
+    assert backend.graph_backend_for("auto", gpu) == "cuda"
+
+
 def test_kernel_image_problem_says_why_the_extension_cannot_run_on_a_gpu():
     if not extension.load():
         assert "not built" in extension.kernel_image_problem(0)

@@ -194,6 +194,26 @@ def test_capture_with_skip_padding_and_no_valid_lens():
 
 
 @needs_cuda
+def test_auto_captures_triton_kernels(monkeypatch):
+    """An auto encoder warms up and is captured on Triton's kernels (AUTO_CAPTURES_TRITON: the
+    extension's save host time, which a replay does not spend); its eager calls keep auto's
+    choice; the replay matches the eager call."""
+    from bert_fast import backend
+    real_backend_for, seen = backend.backend_for, []
+    monkeypatch.setattr(backend, "backend_for", lambda name, device: seen.append(real_backend_for(name, device))
+                        or seen[-1])
+    encoder = gpu_encoder()
+    tokens, segments = gpu_inputs()
+    valid_lens = make_valid_lens("1d_int", 0)
+    graphed = capture_encoder(encoder, tokens, segments, valid_lens)
+    assert seen and set(seen) == {"triton"}, seen
+    seen.clear()
+    expected = eager(encoder, tokens, segments, valid_lens)
+    assert seen and set(seen) == {real_backend_for("auto", tokens.device)}, seen
+    assert_matches_eager(graphed(tokens, segments, valid_lens), expected, "auto: Triton in the graph")
+
+
+@needs_cuda
 def test_clone_output():
     encoder = gpu_encoder()
     tokens, segments = gpu_inputs()

@@ -324,15 +324,6 @@ def test_add_layernorm_matches_reference_cpu_and_triton(ops, dtype, hidden, rows
     check_layernorm(ops, rows, hidden, dtype)
 
 
-# With few rows the forward kernels put fewer rows in a block, so that every SM gets one
-# (rows_per_block_for in csrc/cuda_utils.cuh): ROWS' 1 and 7 take one row a block and 4096 the
-# most; on a GPU of 100-150 SMs these take 2 and 4.
-@pytest.mark.parametrize("rows", [384, 768])
-def test_forward_kernels_with_a_few_rows_a_block(ops, rows):
-    test_embedding_fwd_matches_cpu_and_triton(ops, torch.bfloat16, 768, rows, True)
-    check_layernorm(ops, rows, 768, torch.bfloat16)
-
-
 # 8: one pack per row; 100: no 16-byte packs in fp16/bf16 (scalar path); 1100, 3000: a block
 # per row with idle threads; 8192: the largest row.
 @pytest.mark.parametrize("hidden", [8, 100, 1100, 3000, 8192])
