@@ -400,7 +400,8 @@ class FastBERTEncoder(nn.Module):
         Valid positions match the exact mode; padded positions of the output are zeros
         (the exact mode computes real values there).
       backend: "auto" (default: for CUDA inputs cuda where the compiled extension runs on that
-        GPU, else triton; torch for the rest), "torch", "triton" or "cuda" (see bert_fast.backend).
+        GPU, else triton, and triton inside CUDA-graph captures; torch for the rest), "torch",
+        "triton" or "cuda" (see bert_fast.backend).
       check_inputs: check values: token ids in [0, vocab_size), segment ids in {0, 1}, no NaN
         in valid_lens (one host sync per forward; under torch.compile too, inside the graph);
         set False (or flip the attribute) in a production loop that already guarantees them.
