@@ -1,4 +1,5 @@
-"""Per-kernel GPU numbers: ``python -m bert_fast.kernel_bench [--json PATH]`` (CUDA only).
+"""Per-kernel GPU numbers: ``python -m bert_fast.kernel_bench [--json PATH]`` (CUDA only;
+``--ops``, ``--tokens N ...`` choose what runs, ``--kernels`` lists each row's kernels).
 
 Times each op's forward and forward+backward, for our Triton backend next to the PyTorch path
 on the same inputs, and reports what fraction of the machine they reach:
@@ -34,6 +35,7 @@ figures; the run goes on.
 """
 
 import argparse
+import collections
 import datetime
 import json
 import statistics
@@ -52,6 +54,8 @@ CALLS_PER_GRAPH = 50
 REPLAYS = 20
 HOST_CALLS = 10
 HOST_ROUNDS = 7
+# --kernels: each row also lists its kernels (kernel_breakdown).
+BREAKDOWN = False
 
 
 def timing_description():
@@ -210,7 +214,30 @@ def measure(fn):
         result["host_us"] = _host_us_per_call(fn)
     except Exception as error:
         result["error"] = f"host timing failed: {_one_line(error)}"
+    if BREAKDOWN:
+        try:
+            result["kernels"] = kernel_breakdown(fn)
+        except Exception as error:
+            result["note"] = f"{result.get('note', '')}; no kernel breakdown: {_one_line(error)}".lstrip("; ")
     return result
+
+
+def kernel_breakdown(fn, calls=10):
+    """{kernel name: (launches, device us)} per call of ``fn``, most time first: the torch
+    profiler's CUDA events of ``calls`` eager calls. Says which kernel a GPU time comes from."""
+    from torch.profiler import ProfilerActivity, profile
+    _sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        _sync()
+    totals = collections.defaultdict(lambda: [0, 0.0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name][0] += 1
+            totals[event.name][1] += event.device_time
+    per_call = {name: (n / calls, us / calls) for name, (n, us) in totals.items()}
+    return dict(sorted(per_call.items(), key=lambda item: -item[1][1]))
 
 
 def _fwd_bwd(forward, inputs):
@@ -354,6 +381,8 @@ def format_row(row):
     for key in ("note", "error"):
         if row.get(key):
             line += f"\n{'':16}{key}: {row[key]}"
+    for name, (launches, us) in (row.get("kernels") or {}).items():
+        line += f"\n{'':16}{us:8.1f} us {launches:4.1f}x  {name[:100]}"
     return line
 
 
@@ -364,6 +393,8 @@ def parse_args(argv=None):
     parser.add_argument("--json", metavar="PATH", help="also write the rows and run details to PATH")
     parser.add_argument("--ops", nargs="+", choices=OP_CHOICES, default=list(OP_CHOICES),
                         help="which ops to time (default: all)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also list each row's kernels with their GPU time per call (torch profiler)")
     parser.add_argument("--tokens", nargs="+", type=int, default=[16 * 512], metavar="N",
                         help="rows of the memory-bound ops, each a run of its own (default 8192): "
                              "a few hundred is a forward at batch 1, where a kernel's grid, not its "
@@ -394,6 +425,8 @@ def main(argv=None):
         sys.exit(reason)
     import triton
     device, dtype = torch.device("cuda"), getattr(torch, args.dtype)
+    global BREAKDOWN
+    BREAKDOWN = args.kernels
     copy_gbps, copy_timing = copy_bandwidth(device)
     if copy_gbps is None:
         sys.exit(f"kernel_bench could not time a device copy: {copy_timing.get('error')}")

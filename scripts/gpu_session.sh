@@ -6,6 +6,8 @@
 #   bash scripts/gpu_session.sh build tests        # the extension in place, every test
 #   bash scripts/gpu_session.sh sanitize kernels   # compute-sanitizer, per-kernel times
 #   bash scripts/gpu_session.sh build profile      # the kernels of one forward, graph replay time
+#   bash scripts/gpu_session.sh build profile-train kernels-small   # a training step's kernels;
+#                                                  # the memory-bound ops' kernels at 128-8192 rows
 #   bash scripts/gpu_session.sh suite-base suite-train host   # the matrix (BERT-base bf16), a
 #                                                  # training step, host time per forward
 #   bash scripts/gpu_session.sh suite-base-fp16 suite-large host-skip-padding
@@ -15,7 +17,9 @@
 # and Triton), 29 s on a warm machine (caches kept between calls); host 46-51 s; tests-gpu 97 s
 # with 8 workers before test_ext_cuda.py joined it, then cut at 200 s inside that file (whose
 # embedding cases recompiled the Triton kernels per row count: trimmed since, not re-timed).
-# `tests` (the whole suite), `sanitize` and `profile` have not been timed on a GPU.
+# Later that day: profile under a minute (3 shapes x auto, triton); tests-gpu cut at 150 s (538 passed,
+# in test_ext_cuda.py). `tests` (the whole suite), `sanitize`, `profile-train` and
+# `kernels-small` have not been timed on a GPU.
 # A machine held idle for 30 s is given back and the next call starts a bare one (build again).
 #
 # STEP_TIMEOUT=S interrupts each step after S seconds (SIGINT: pytest prints what ran, and the
@@ -127,6 +131,15 @@ for step in "$@"; do
         # The kernels of one forward (torch profiler) and its CUDA-graph replay time, per shape:
         # where the GPU time goes, the auto backend beside triton.
         run profile env PYTHONPATH=. python scripts/profile_kernels.py --backends auto triton ;;
+    profile-train)
+        # The kernels of a training step's forward+backward (B32 L128, dropout 0.1), per backend.
+        run profile-train env PYTHONPATH=. python scripts/profile_kernels.py --train --backends auto triton torch ;;
+    kernels-small)
+        # The memory-bound ops at a batch-1 forward's 128 rows up to 8192, each row with its
+        # kernels (profiler): where the extension's forward kernels lose ~1.5 us to Triton's at
+        # few rows, and where Triton's add_layernorm backward spends its time at 8192 rows.
+        run kernels-small python -m bert_fast.kernel_bench --ops add_layernorm embedding_sum bias_act \
+            --tokens 128 1024 8192 --kernels --json "$results/$stamp-kernels-small.json" ;;
     host)
         # Host time of a forward and forward+backward at negligible arithmetic, kernel launches per layer.
         run host python -m bert_fast.bench --suite host --json "$results/$stamp-host.json" ;;
@@ -144,7 +157,7 @@ for step in "$@"; do
             --matrix-preset base --matrix-dtype bfloat16 -k "not max_autotune" \
             --matrix-record "$results/$stamp-matrix.json" --benchmark-json "$results/$stamp-matrix-benchmark.json" ;;
     *)
-        echo "unknown step '$step' (install build tests tests-gpu sanitize kernels profile host host-skip-padding suite-base suite-base-fp16 suite-large" \
+        echo "unknown step '$step' (install build tests tests-gpu sanitize kernels kernels-small profile profile-train host host-skip-padding suite-base suite-base-fp16 suite-large" \
              "suite-train matrix)" >&2
         failures=$((failures + 1)) ;;
     esac

@@ -90,6 +90,29 @@ def test_measure_times_the_gpu_in_a_graph_and_the_host_per_call(monkeypatch, no_
     assert fn.calls == 1 + kb.HOST_CALLS * kb.HOST_ROUNDS
 
 
+def test_measure_lists_the_kernels_when_asked(monkeypatch, no_cuda_sync):
+    """--kernels: measure() adds kernel_breakdown's answer to the row, format_row prints it
+    under the row; a profiler failure is a note, the times stay."""
+    monkeypatch.setattr(kb, "_graph_ms", lambda fn, calls, replays: [0.02] * 5)
+    breakdown = {"_add_layernorm_bwd_kernel": (1.0, 140.0), "reduce_kernel": (2.0, 6.5)}
+    monkeypatch.setattr(kb, "kernel_breakdown", lambda fn: breakdown)
+    assert "kernels" not in kb.measure(Counter())
+    monkeypatch.setattr(kb, "BREAKDOWN", True)
+    row = kb.measure(Counter())
+    assert row["kernels"] == breakdown and row["ms"] == pytest.approx(0.02)
+    row.update(op="add_layernorm", direction="fwd+bwd", tokens=8192, hidden=768, method="triton",
+               gbps=None, frac_of_copy=None)
+    lines = kb.format_row(row).splitlines()
+    assert "140.0 us  1.0x  _add_layernorm_bwd_kernel" in lines[1] and "6.5 us  2.0x  reduce_kernel" in lines[2]
+
+    def profiler_fails(fn):
+        raise RuntimeError("CUPTI_ERROR_INSUFFICIENT_PRIVILEGES")
+    monkeypatch.setattr(kb, "kernel_breakdown", profiler_fails)
+    row = kb.measure(Counter())
+    assert "kernels" not in row and row["ms"] == pytest.approx(0.02)
+    assert row["note"].startswith("no kernel breakdown: RuntimeError: CUPTI_ERROR_INSUFFICIENT_PRIVILEGES")
+
+
 def test_measure_falls_back_to_do_bench_when_capture_raises(monkeypatch, no_cuda_sync):
     def capture_fails(fn, calls, replays):
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
@@ -202,9 +225,10 @@ def test_parse_args():
     with pytest.raises(SystemExit) as exit_info:
         kb.parse_args(["--dtype", "float32"])
     assert exit_info.value.code == 2
-    assert (args.ops, args.tokens) == (list(kb.OP_CHOICES), [8192])
+    assert (args.ops, args.tokens, args.kernels) == (list(kb.OP_CHOICES), [8192], False)
     args = kb.parse_args(["--ops", "add_layernorm", "embedding_sum", "--tokens", "128", "1024"])
     assert (args.ops, args.tokens) == (["add_layernorm", "embedding_sum"], [128, 1024])
+    assert kb.parse_args(["--kernels"]).kernels
     for tokens in ("700", "0"):     # embedding_sum's sequences: up to 512 tokens, all the same length
         with pytest.raises(SystemExit) as exit_info:
             kb.parse_args(["--tokens", tokens])
