@@ -140,6 +140,13 @@ for step in "$@"; do
         # few rows, and where Triton's add_layernorm backward spends its time at 8192 rows.
         run kernels-small python -m bert_fast.kernel_bench --ops add_layernorm embedding_sum bias_act \
             --tokens 128 1024 8192 --kernels --json "$results/$stamp-kernels-small.json" ;;
+    ncu-small)
+        # Nsight Compute on those forward kernels at 128 rows (Triton's and the extension's):
+        # speed of light, launch, warp stalls. Needs ncu on PATH (CUDA's bin) and counter access.
+        ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+        run ncu-small "${ncu:-ncu}" --target-processes all -k 'regex:add_layernorm_fwd|embedding_sum_fwd' \
+            --section SpeedOfLight --section LaunchStats --section WarpStateStats \
+            env PYTHONPATH=. python scripts/small_row_kernels.py ;;
     host)
         # Host time of a forward and forward+backward at negligible arithmetic, kernel launches per layer.
         run host python -m bert_fast.bench --suite host --json "$results/$stamp-host.json" ;;
@@ -157,7 +164,7 @@ for step in "$@"; do
             --matrix-preset base --matrix-dtype bfloat16 -k "not max_autotune" \
             --matrix-record "$results/$stamp-matrix.json" --benchmark-json "$results/$stamp-matrix-benchmark.json" ;;
     *)
-        echo "unknown step '$step' (install build tests tests-gpu sanitize kernels kernels-small profile profile-train host host-skip-padding suite-base suite-base-fp16 suite-large" \
+        echo "unknown step '$step' (install build tests tests-gpu sanitize kernels kernels-small ncu-small profile profile-train host host-skip-padding suite-base suite-base-fp16 suite-large" \
              "suite-train matrix)" >&2
         failures=$((failures + 1)) ;;
     esac
