@@ -140,6 +140,11 @@ for step in "$@"; do
         # few rows, and where Triton's add_layernorm backward spends its time at 8192 rows.
         run kernels-small python -m bert_fast.kernel_bench --ops add_layernorm embedding_sum bias_act \
             --tokens 128 1024 8192 --kernels --json "$results/$stamp-kernels-small.json" ;;
+    attention-tiles)
+        # The attention forward's tiles for head dim 64 bf16, candidates against the current ones,
+        # at the suite's latency, dense and long shapes (padded and varlen): GPU us and TFLOP/s.
+        # The candidates compile for sm_90 without spills (kernel_resources, triton 3.9).
+        run attention-tiles env PYTHONPATH=. python scripts/attention_tiles.py ;;
     ncu-small)
         # Nsight Compute on those forward kernels at 128 rows (Triton's and the extension's):
         # speed of light, launch, warp stalls. Needs ncu on PATH (CUDA's bin) and counter access.
@@ -164,7 +169,7 @@ for step in "$@"; do
             --matrix-preset base --matrix-dtype bfloat16 -k "not max_autotune" \
             --matrix-record "$results/$stamp-matrix.json" --benchmark-json "$results/$stamp-matrix-benchmark.json" ;;
     *)
-        echo "unknown step '$step' (install build tests tests-gpu sanitize kernels kernels-small ncu-small profile profile-train host host-skip-padding suite-base suite-base-fp16 suite-large" \
+        echo "unknown step '$step' (install build tests tests-gpu sanitize kernels kernels-small ncu-small attention-tiles profile profile-train host host-skip-padding suite-base suite-base-fp16 suite-large" \
              "suite-train matrix)" >&2
         failures=$((failures + 1)) ;;
     esac

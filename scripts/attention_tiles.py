@@ -1,0 +1,85 @@
+"""Which forward tiles make the attention kernel fastest on this GPU, per suite shape:
+
+  python scripts/attention_tiles.py [--shapes latency dense long] [--tiles 128,64,8,3 64,128,4,2 ...]
+
+The forward tiles (BLOCK_M, BLOCK_N, warps, stages) of bert_fast/ops/attention.py were chosen
+without a GPU (no spills, shared memory within sm_86's). For head dim 64 in bf16, the BERT-base
+case, this times the forward kernel with each candidate on the suite's inputs (make_inputs:
+random lengths as the suite draws them): padded with a key mask (the exact path), and for the
+long shape also varlen (skip_padding's path). GPU time per call from CUDA-graph replays
+(kernel_bench's timing), TFLOP/s on the work the kernel does (every key of the padded L, or
+the sum of squared lengths), and the largest difference from the current tiles' output. A
+GPU-only tool for scripts/gpu_session.sh's `attention-tiles` step; it changes nothing.
+"""
+
+import argparse
+import statistics
+
+import torch
+
+from bert_fast.bench_common import make_inputs
+from bert_fast.bench_suite import SHAPES
+from bert_fast.kernel_bench import _graph_ms
+from bert_fast.ops import attention
+
+HEADS, HEAD_DIM, DTYPE = 12, 64, torch.bfloat16
+KEY = (HEAD_DIM, 2)          # attention._GPU_TILES' key for head dim 64, 2-byte elements
+CANDIDATES = ["128,64,8,3", "128,128,8,2", "128,64,4,3", "64,64,4,3", "64,128,4,2", "64,32,4,3", "128,32,8,3"]
+
+
+def parse_tiles(text):
+    block_m, block_n, warps, stages = (int(part) for part in text.split(","))
+    return attention._Tiles(block_m, block_n, warps, stages)
+
+
+def cases(shape, device):
+    """(name, forward, tflop) of the shape: the padded call, and varlen for shapes with padding."""
+    tokens, _, valid_lens = make_inputs(shape.batch, shape.seq, shape.min_len_frac, 30522, 0, device)
+    batch, seqlen = tokens.shape
+    qkv = torch.randn(batch, seqlen, 3 * HEADS * HEAD_DIM, device=device, dtype=DTYPE)
+    padded_tflop = 4 * batch * HEADS * seqlen**2 * HEAD_DIM / 1e12
+    found = [("padded, key mask", lambda: attention._attention_fwd_triton(qkv, valid_lens, HEADS, 0.0, None)[0],
+              padded_tflop)]
+    lengths = valid_lens.tolist()
+    if min(lengths) < seqlen:
+        keep = torch.arange(seqlen, device=device)[None, :] < valid_lens[:, None]
+        packed = qkv[keep].contiguous()
+        cu_seqlens = torch.zeros(batch + 1, dtype=torch.int32, device=device)
+        cu_seqlens[1:] = torch.cumsum(valid_lens, 0)
+        varlen_tflop = sum(4 * HEADS * n**2 * HEAD_DIM for n in lengths) / 1e12
+        found.append(("varlen", lambda: attention._varlen_attention_fwd_triton(
+            packed, cu_seqlens, HEADS, seqlen, 0.0, None, filler=False)[0], varlen_tflop))
+    return found
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=["latency", "dense", "long"])
+    parser.add_argument("--tiles", nargs="+", default=CANDIDATES, help="BLOCK_M,BLOCK_N,warps,stages")
+    options = parser.parse_args()
+    device = torch.device("cuda")
+    current = attention._GPU_TILES[KEY]
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; attention forward, {HEADS} heads x "
+          f"{HEAD_DIM}, bf16; current tiles {','.join(map(str, current[0]))}")
+    for shape_name in options.shapes:
+        shape = SHAPES[shape_name]
+        for name, forward, tflop in cases(shape, device):
+            print(f"\n## {shape_name} B{shape.batch} L{shape.seq}, {name}\n"
+                  "| tiles | µs / call | TFLOP/s | max diff vs current |\n|---|---|---|---|")
+            with torch.inference_mode():
+                expected = forward()
+                for text in options.tiles:
+                    attention._GPU_TILES[KEY] = (parse_tiles(text),) + current[1:]
+                    try:
+                        diff = (forward().float() - expected.float()).abs().max().item()
+                        ms = statistics.median(_graph_ms(forward, 20, 10))
+                    except Exception as error:       # a tile that does not compile or fit: say so
+                        print(f"| {text} | failed: {type(error).__name__}: {str(error)[:120]} | | |")
+                        continue
+                    finally:
+                        attention._GPU_TILES[KEY] = current
+                    print(f"| {text} | {ms * 1e3:.1f} | {tflop / (ms / 1e3):.0f} | {diff:.2g} |")
+
+
+if __name__ == "__main__":
+    main()
