@@ -145,6 +145,10 @@ for step in "$@"; do
         # at the suite's latency, dense and long shapes (padded and varlen): GPU us and TFLOP/s.
         # The candidates compile for sm_90 without spills (kernel_resources, triton 3.9).
         run attention-tiles env PYTHONPATH=. python scripts/attention_tiles.py ;;
+    small-m-gemm)
+        # A BERT-base layer's GEMMs at 128 rows: cuBLAS against Inductor's max-autotune choice
+        # (Triton templates): whether a Triton GEMM could cut the B1 L128 graph's GEMM time.
+        run small-m-gemm env PYTHONPATH=. python scripts/small_m_gemm.py --rows 128 ;;
     ncu-small)
         # Nsight Compute on those forward kernels at 128 rows (Triton's and the extension's):
         # speed of light, launch, warp stalls. Needs ncu on PATH (CUDA's bin) and counter access.
@@ -169,7 +173,7 @@ for step in "$@"; do
             --matrix-preset base --matrix-dtype bfloat16 -k "not max_autotune" \
             --matrix-record "$results/$stamp-matrix.json" --benchmark-json "$results/$stamp-matrix-benchmark.json" ;;
     *)
-        echo "unknown step '$step' (install build tests tests-gpu sanitize kernels kernels-small ncu-small attention-tiles profile profile-train host host-skip-padding suite-base suite-base-fp16 suite-large" \
+        echo "unknown step '$step' (install build tests tests-gpu sanitize kernels kernels-small ncu-small attention-tiles small-m-gemm profile profile-train host host-skip-padding suite-base suite-base-fp16 suite-large" \
              "suite-train matrix)" >&2
         failures=$((failures + 1)) ;;
     esac
