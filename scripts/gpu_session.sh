@@ -26,7 +26,9 @@
 # suite's record keeps every shape it finished); SUITE_ARGS are added to every suite step.
 #
 # Logs and records go to $OUT (the device tool brings that folder back, 8 files a call: each
-# step writes a log and at most one record or report), else benchmarks/results.
+# step writes a log and at most one record or report), else benchmarks/results. PACK=1 puts
+# them all in one file instead, $OUT/<gpu>-<date>-logs.tgz, rewritten after every step: for
+# calls of more steps than 8 files hold.
 # A step that fails is reported and the next one runs; the exit status is the number of failures.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,10 +45,15 @@ if ! command -v python >/dev/null 2>&1; then
     fi
 fi
 
-results=${OUT:-benchmarks/results}
-mkdir -p "$results"
 host=$(python -c "import torch, re; print(re.sub(r'[^a-z0-9]+', '-', torch.cuda.get_device_name().lower()).strip('-'))" 2>/dev/null || echo gpu)
 stamp="$host-$(date +%F)"
+results=${OUT:-benchmarks/results}
+pack=
+if [ -n "${PACK:-}" ] && [ -n "${OUT:-}" ]; then   # every log and record in one $OUT file
+    pack="$OUT/$stamp-logs.tgz"
+    results=$(mktemp -d)
+fi
+mkdir -p "$results"
 export PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}   # one cache for every step and worker
 failures=0
@@ -56,8 +63,9 @@ run() {     # run NAME COMMAND...: the command's output to the terminal and to $
     local start=$SECONDS
     timeout -s INT -k 20 "${STEP_TIMEOUT:-0}" "${@:2}" 2>&1 | tee "$results/$stamp-$1.log"
     local status=${PIPESTATUS[0]}
-    echo "== $1: exit $status after $((SECONDS - start)) s"
+    echo "== $1: exit $status after $((SECONDS - start)) s" | tee -a "$results/$stamp-$1.log"
     [ "$status" -eq 0 ] || failures=$((failures + 1))
+    if [ -n "$pack" ]; then tar czf "$pack" -C "$results" .; fi   # after every step: a cut call keeps what ran
 }
 
 suite() {   # suite NAME ARGS...: one part of the matrix, its own record
@@ -178,5 +186,5 @@ for step in "$@"; do
         failures=$((failures + 1)) ;;
     esac
 done
-echo "== $failures step(s) failed; logs and records in $results"
+echo "== $failures step(s) failed; logs and records in ${pack:-$results}"
 exit "$failures"
