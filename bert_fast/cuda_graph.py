@@ -69,8 +69,10 @@ Results equal the eager call's at every position the eager call defines (skip_pa
 at padded positions, as eager) up to rounding: masked keys weigh exactly 0 as in eager, but the
 padded call runs other GEMM sizes (cuBLAS may pick another algorithm or split), the kernels'
 blocks cover other ranges, and None valid_lens become full lengths (a masked attention call;
-on the torch backend SDPA may pick another kernel). Bit for bit only where the padded call is
-the eager call: B and L bucket sizes, valid_lens given, and under skip_padding N a bucket size.
+on the torch backend SDPA may pick another kernel), and backend "auto" captures Triton's
+kernels where its eager calls may run the extension's (backend.AUTO_CAPTURES_TRITON). Bit for
+bit only where the padded call is the eager call: a named backend, B and L bucket sizes,
+valid_lens given, and under skip_padding N a bucket size.
 The tests allow the fp32 floor 1e-4 of ../shared/STYLE.md, and for bf16 the rule there (error
 against the fp32 encoder at most twice the eager bf16 call's, plus 5e-2).
 

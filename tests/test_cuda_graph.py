@@ -3,9 +3,11 @@ FastBERTEncoder(cuda_graphs=True), shape buckets).
 
 capture_encoder: the argument checks run on the CPU; everything that captures a graph needs a
 GPU. On the GPU the graphed call is compared with the eager call of the same module on the same
-inputs, in the same (inference) mode, so the kernels and their launch parameters are the same:
-bf16 must match bit for bit, fp32 within the fp32 floor (it should be bitwise too; the floor
-only keeps the test about the graph, not about cuBLAS heuristics).
+inputs, in the same (inference) mode, so with a named backend the kernels and their launch
+parameters are the same: bf16 must match bit for bit, fp32 within the fp32 floor (it should be
+bitwise too; the floor only keeps the test about the graph, not about cuBLAS heuristics). The
+"auto" tests run fp32 (floor): auto captures Triton's kernels, its eager calls may run the
+extension's.
 
 graphed_forward: the whole machinery (buckets, padding and slicing, keys, invalidation, LRU,
 fallbacks, input checks) runs on the CPU with cuda_graph._steps replaced by a stub whose
