@@ -57,7 +57,7 @@ def report():
         auto_cuda = "cuda where the extension has kernels for the GPU, else triton"
     else:
         auto_cuda = "torch"
-    if "cuda" in auto_cuda and backend.AUTO_CAPTURES_TRITON:
+    if auto_cuda.startswith("cuda") and backend.AUTO_CAPTURES_TRITON:
         auto_cuda += " (triton inside CUDA-graph captures)"
     lines.append(f"  auto    (default) torch on CPU inputs, {auto_cuda} on CUDA inputs")
     return lines

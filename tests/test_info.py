@@ -15,6 +15,22 @@ def test_report_names_every_backend():
         assert f"  {name}" in text
 
 
+@pytest.mark.parametrize("choice, problem, expected", [
+    ("cuda", None, "cuda (triton inside CUDA-graph captures) on CUDA inputs"),
+    ("triton", "no kernel image is available", "triton (not cuda: no kernel image is available) on CUDA inputs"),
+])
+def test_report_says_what_auto_runs_on_this_gpu(monkeypatch, choice, problem, expected):
+    """With a GPU: auto's choice there, why not cuda, and that graph captures run triton."""
+    import torch
+    from bert_fast import backend
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(info, "_device", lambda: "cuda: a stand-in GPU")
+    monkeypatch.setattr(backend, "backend_for", lambda name, device: choice)
+    monkeypatch.setattr(extension, "kernel_image_problem", lambda index=None: problem)
+    auto = [line for line in info.report() if line.startswith("  auto")]
+    assert auto == [f"  auto    (default) torch on CPU inputs, {expected}"]
+
+
 @pytest.mark.parametrize("state, problem", [
     ({"loaded_from": None, "error": "bert_fast._C could not be imported (No module named 'bert_fast._C')"},
      "not available: bert_fast._C could not be imported"),
