@@ -85,14 +85,18 @@ updates (``load_state_dict``, optimizer steps, ``p.mul_()``) are seen by later r
 parameters replaced by other tensors (``.to()``, ``.cuda()``, ``load_state_dict(assign=True)``,
 ``module.weight = nn.Parameter(...)``, ``p.data = ...``, ``pack_qkv_()`` moving them, a
 submodule replaced, a block appended) must invalidate the graphs. Each call compares the
-module tree (children, parameters and buffers by identity, tensors by ``data_ptr``, child
-counts) with a snapshot taken at capture: measured on the CI machine's CPU (2 cores, Python
-3.11) for a 12-layer encoder (195 parameters, 196 modules), 28 us per call, 10 us of it the 195
-``data_ptr()`` reads (a hook could not replace them: ``p.data = ...`` and ``.to()`` swap the
-memory under the same Parameter without any hook). The replay it guards is asynchronous and
-its 12 layers of kernels take longer than that on the GPU. Any difference drops every graph of
-the encoder. Not followed: attributes changed by hand on submodules (activation,
-eps, num_heads, hooks added after capture): call ``clear_cuda_graphs(encoder)`` after those.
+module tree with a snapshot taken at capture: child counts, tensors by ``data_ptr`` and
+training flags always (``p.data = ...``, ``.to()``, ``ModuleList.pop``/``insert`` fire no
+hook), children, parameters and buffers by identity only when some module of the process has
+registered a parameter, buffer or submodule since the last check (torch's global registration
+hooks count them: assignment, ``register_*``, ``add_module``, ``load_state_dict(assign=True)``).
+A 12-layer encoder (195 parameters, 196 modules) took ~50-70 us a check that way on the CI
+machine's CPU, loaded, against ~120 us comparing everything (2026-11-26). The replay it guards
+is asynchronous and its 12 layers of kernels take longer than that on the GPU. Any difference
+drops every graph of the encoder. Not followed: attributes changed by hand on submodules
+(activation, eps, num_heads, hooks added after capture), and writes into a module's
+``_modules``/``_parameters``/``_buffers`` dicts that keep their lengths: call
+``clear_cuda_graphs(encoder)`` after those.
 
 Memory and cost. The first call of a bucket runs 3 eager warmup forwards on a side stream
 (Triton autotuning for new shapes happens there), then captures (``torch.cuda.graph`` first
@@ -541,12 +545,38 @@ class _CudaGraphSteps:
 _steps = _CudaGraphSteps()
 
 
+# How many parameters, buffers and submodules any module of this process has registered (an
+# attribute assignment, register_*, add_module, ModuleList.append, load_state_dict(assign=True)
+# all go through torch's global registration hooks). While it stands still, no module tree
+# changed by those paths, so a snapshot's check skips comparing every child and tensor by
+# identity; the changes that fire no hook it still reads: a container's length (pop, insert,
+# del), a tensor's address (.to(), p.data = ...), training flags.
+_registrations = 0
+_registration_hooks = []
+
+
+def _count_registration(module, name, value):
+    global _registrations
+    _registrations += 1          # returns None: the value registered is unchanged
+
+
+def _watch_registrations():
+    if not _registration_hooks:
+        from torch.nn.modules import module as module_api
+        _registration_hooks.extend(register(_count_registration) for register in (
+            module_api.register_module_module_registration_hook,
+            module_api.register_module_parameter_registration_hook,
+            module_api.register_module_buffer_registration_hook))
+
+
 class _ModuleSnapshot:
     """The encoder's module tree as a capture saw it: children, parameters and buffers by
     identity, tensors by address, and child counts (a block appended to ``blks``). The graphs
     read the tensors' memory, so they are valid while ``check()`` finds all of it unchanged."""
 
     def __init__(self, encoder):
+        _watch_registrations()
+        self.registrations = _registrations
         self.counts, self.children, self.tensors = [], [], []
         for module in encoder.modules():
             table = module._modules
@@ -559,19 +589,27 @@ class _ModuleSnapshot:
                         raise TypeError(f"{type(t).__name__} {name!r}")
                     self.tensors.append((table, name, t, 0 if t is None else t.data_ptr()))
         self.params = tuple(encoder.parameters())
+        self.submodules = tuple(child for _, _, child in self.children)
+        self.addressed = tuple((t, address) for _, _, t, address in self.tensors if t is not None)
 
     def check(self):
         """None if unchanged, "training" if a submodule is in training mode, else "changed"."""
         for table, count in self.counts:
             if len(table) != count:
                 return "changed"
-        for table, name, child in self.children:
-            if table.get(name) is not child:
-                return "changed"
+        if _registrations != self.registrations:
+            for table, name, child in self.children:
+                if table.get(name) is not child:
+                    return "changed"
+            for table, name, t, _ in self.tensors:
+                if table.get(name) is not t:
+                    return "changed"
+            self.registrations = _registrations    # this tree is as captured: the short path again
+        for child in self.submodules:
             if child.training:
                 return "training"
-        for table, name, t, address in self.tensors:
-            if table.get(name) is not t or (t is not None and t.data_ptr() != address):
+        for t, address in self.addressed:
+            if t.data_ptr() != address:
                 return "changed"
         return None
 

@@ -734,6 +734,14 @@ def append_block(encoder):
     encoder.blks.append(copy.deepcopy(encoder.blks[1]))
 
 
+def pop_block(encoder):           # ModuleList.pop deletes the attribute: no registration hook fires
+    encoder.blks.pop(len(encoder.blks) - 1)
+
+
+def insert_block(encoder):        # ModuleList.insert writes its _modules directly: no hook either
+    encoder.blks.insert(0, copy.deepcopy(encoder.blks[1]))
+
+
 def repack(encoder):
     attention = encoder.blks[0].attention
     attention.W_k.weight = nn.Parameter(attention.W_k.weight.detach().clone())   # unpacked
@@ -741,7 +749,7 @@ def repack(encoder):
 
 
 @pytest.mark.parametrize("change", [replace_weight, load_assign, swap_data, move_dtype, replace_submodule,
-                                    append_block, repack], ids=lambda f: f.__name__)
+                                    append_block, pop_block, insert_block, repack], ids=lambda f: f.__name__)
 def test_replaced_parameters_invalidate(stub, change):
     encoder = auto_encoder()
     tokens, segments = random_inputs(B, L, VOCAB)
@@ -758,6 +766,24 @@ def test_replaced_parameters_invalidate(stub, change):
     stats = cuda_graph_stats(encoder)
     assert stub.attempts == 3 and stats["invalidations"] == 1
     assert len(stats["buckets"]) == 1, "the other bucket's graph was not dropped"
+
+
+def test_calls_register_nothing_and_other_registrations_keep_the_graphs(stub):
+    """The snapshot's short path: a graphed call registers no parameter, buffer or module (so
+    the registration count stands still and the identity comparisons are skipped); a module
+    built elsewhere moves the count, the next call compares everything once, finds this tree
+    unchanged and keeps its graphs."""
+    encoder = auto_encoder()
+    tokens, segments = random_inputs(B, L, VOCAB)
+    graphed(encoder, tokens, segments)
+    count = cuda_graph._registrations
+    graphed(encoder, tokens, segments)
+    assert cuda_graph._registrations == count, "a graphed call registered a parameter, buffer or module"
+    nn.Linear(4, 4)
+    assert cuda_graph._registrations > count
+    assert_eager_result(graphed(encoder, tokens, segments), eager_forward(encoder, tokens, segments))
+    assert stub.attempts == 1 and "invalidations" not in cuda_graph_stats(encoder)
+    assert cuda_graph._state_of(encoder).snapshot.registrations == cuda_graph._registrations
 
 
 def test_in_place_changes_keep_the_graphs(stub):

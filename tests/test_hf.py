@@ -525,6 +525,19 @@ def test_cuda_graphs_match_eager_and_hf(stub, staging, mask_name, skip_padding, 
     assert stats["buckets"][0]["valid_lens_dtype"] == torch.bool     # the attention mask's buffer
 
 
+def test_graphed_calls_register_nothing(stub):
+    """A graphed call of an HF model registers no parameter, buffer or module: the module-tree
+    check then takes its short path (cuda_graph._ModuleSnapshot)."""
+    _, _, graphed = graphed_trio(config(max_pos=40))
+    ids, types = inputs(2, 13)
+    with torch.inference_mode():
+        graphed(ids, token_type_ids=types)
+        count = cuda_graph._registrations
+        graphed(ids, token_type_ids=types)
+    assert cuda_graph._registrations == count
+    assert cuda_graph_stats(graphed)["replays"] == 2
+
+
 def test_cuda_graphs_keep_l_exact_for_a_row_that_attends_to_nothing(stub, staging):
     """Such a row attends to all L keys (the book's rule): padding L would change it."""
     _, eager, graphed = graphed_trio(config(max_pos=40))
