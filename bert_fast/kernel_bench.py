@@ -397,8 +397,8 @@ def parse_args(argv=None):
                         help="also list each row's kernels with their GPU time per call (torch profiler)")
     parser.add_argument("--tokens", nargs="+", type=int, default=[16 * 512], metavar="N",
                         help="rows of the memory-bound ops, each a run of its own (default 8192): "
-                             "a few hundred is a forward at batch 1, where a kernel's grid, not its "
-                             "bandwidth, sets the time; at most 512 or a multiple of 512")
+                             "a few hundred is a forward at batch 1, where a kernel's latency, not "
+                             "its bandwidth, sets the time; at most 512 or a multiple of 512")
     args = parser.parse_args(argv)
     for n in args.tokens:
         if n < 1 or (n > 512 and n % 512):
@@ -438,15 +438,17 @@ def main(argv=None):
     print(f"GPU ms: {CALLS_PER_GRAPH} calls in one CUDA graph, median of {REPLAYS} replays; "
           f"host us: {HOST_CALLS} back-to-back eager calls, median of {HOST_ROUNDS} rounds", flush=True)
     rows = []
-    only = [op for op in MEMORY_BOUND_OPS if op.split()[0] in args.ops]
-    batches = ([lambda: attention_rows(device, dtype)] if "attention" in args.ops else []) + [
-        lambda tokens=tokens: memory_bound_rows(device, dtype, copy_gbps, tokens=tokens, only=only)
-        for tokens in (args.tokens if only else ())]
-    for batch in batches:       # printed as they come: a run cut short still shows what it timed
-        new_rows = batch()
+
+    def report(new_rows):       # printed as they come: a run cut short still shows what it timed
         for row in new_rows:
             print(format_row(row), flush=True)
-        rows += new_rows
+        rows.extend(new_rows)
+
+    if "attention" in args.ops:
+        report(attention_rows(device, dtype))
+    only = [op for op in MEMORY_BOUND_OPS if op.split()[0] in args.ops]
+    for tokens in args.tokens if only else ():
+        report(memory_bound_rows(device, dtype, copy_gbps, tokens=tokens, only=only))
     if args.json:
         record = dict(device=name, torch=torch.__version__, triton=triton.__version__,
                       cuda=torch.version.cuda, dtype=args.dtype, command=list(sys.orig_argv),
