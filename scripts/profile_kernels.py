@@ -83,5 +83,6 @@ def main():
             for name, (n, us) in list(times.items())[:options.top]:
                 print(f"| {name[:90]} | {n:.0f} | {us:.1f} | {us / n:.2f} | {us / total:.1%} |")
 
+
 if __name__ == "__main__":
     main()

@@ -7,7 +7,8 @@ import torch
 # Under pytest-xdist every worker would run PyTorch's CPU ops on one thread per core: on the
 # GPU machine (16 cores, 8 workers) that is 128 threads, and test_ext_cuda.py's embedding
 # backward cases, whose CPU references work on (1000, H) tables, took 3-4 s each there
-# (H200, 2026-11-26) against ~0.1 s on a 2-core machine. The workers share the cores instead.
+# (H200, 2026-11-26) against ~0.1 s on a 2-core machine, likely that oversubscription (not
+# re-timed yet). The workers share the cores instead.
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
