@@ -8,6 +8,8 @@
 #   bash scripts/gpu_session.sh build profile      # the kernels of one forward, graph replay time
 #   bash scripts/gpu_session.sh build profile-train kernels-small   # a training step's kernels;
 #                                                  # the memory-bound ops' kernels at 128-8192 rows
+#   PACK=1 bash scripts/gpu_session.sh build attention-tiles ncu-small small-m-gemm   # experiments:
+#                                                  # attention tiles, few-row kernels, small-M GEMMs
 #   bash scripts/gpu_session.sh suite-base suite-train host   # the matrix (BERT-base bf16), a
 #                                                  # training step, host time per forward
 #   bash scripts/gpu_session.sh suite-base-fp16 suite-large host-skip-padding
@@ -17,9 +19,9 @@
 # and Triton), 29 s on a warm machine (caches kept between calls); host 46-51 s; tests-gpu 97 s
 # with 8 workers before test_ext_cuda.py joined it, then cut at 200 s inside that file (whose
 # embedding cases recompiled the Triton kernels per row count: trimmed since, not re-timed).
-# Later that day: profile under a minute (3 shapes x auto, triton); tests-gpu cut at 150 s (538 passed,
-# in test_ext_cuda.py). `tests` (the whole suite), `sanitize`, `profile-train` and
-# `kernels-small` have not been timed on a GPU.
+# Later that day: profile under a minute (3 shapes x auto, triton); tests-gpu cut at 150 s
+# (538 passed, in test_ext_cuda.py). `tests` (the whole suite), `sanitize`, `profile-train`,
+# `kernels-small`, `ncu-small`, `attention-tiles` and `small-m-gemm` have not run on a GPU.
 # A machine held idle for 30 s is given back and the next call starts a bare one (build again).
 #
 # STEP_TIMEOUT=S interrupts each step after S seconds (SIGINT: pytest prints what ran, and the
