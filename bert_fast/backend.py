@@ -88,8 +88,12 @@ def available_backends():
 
 def graph_backend_for(backend, device):
     """backend_for as our graph captures see it (capturing_graph): part of a graph's key."""
-    resolved = backend_for(backend, device)
-    return "triton" if resolved == "cuda" and backend == "auto" and AUTO_CAPTURES_TRITON else resolved
+    global _graph_captures
+    _graph_captures += 1
+    try:
+        return backend_for(backend, device)
+    finally:
+        _graph_captures -= 1
 
 
 def backend_of(backend, tensor):
