@@ -59,16 +59,17 @@ __device__ __forceinline__ __nv_bfloat16 from_bits<__nv_bfloat16>(uint32_t bits)
   return __ushort_as_bfloat16(static_cast<unsigned short>(bits));
 }
 
-// One 16-byte access in PTX. Plain C++ (a uint4 or aligned-struct copy) is not enough: inside
-// a grid-stride loop nvcc 13 was seen splitting such a store into four 4-byte stores. The load
-// goes through the read-only path (.nc): every kernel here only reads its inputs. The store
-// has no "memory" clobber: no kernel here reads back what it stores, so letting the compiler
-// move loads around it is safe. Generic pointers to device memory are valid global addresses.
-__device__ __forceinline__ uint4 load_global_16(const void* src) {
-  uint4 v;
-  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src));
-  return v;
-}
+// One 16-byte access. The load is __ldg on a uint4: the read-only path (.nc; every kernel here
+// only reads its inputs), and a load the compiler knows can fault. It was an asm statement,
+// which the compiler may treat as free of side effects and so run where the source does not:
+// nvcc 13 hoisted the bias load of add_layernorm's forward above its `bias != nullptr` test
+// and out of the row loop, and a call without bias read address 0x3000 (an illegal address on
+// an H100, compute-sanitizer, 2026-11-26). The store stays in PTX: plain C++ (a uint4 or
+// aligned-struct copy) is not enough, inside a grid-stride loop nvcc 13 was seen splitting such
+// a store into four 4-byte stores. It has no "memory" clobber: no kernel here reads back what
+// it stores, so letting the compiler move loads around it is safe. Generic pointers to device
+// memory are valid global addresses.
+__device__ __forceinline__ uint4 load_global_16(const void* src) { return __ldg(static_cast<const uint4*>(src)); }
 
 __device__ __forceinline__ void store_global_16(void* dst, uint4 v) {
   asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
