@@ -17,6 +17,7 @@ message; ``bert_fast.build_extension()`` can compile the extension later.
 """
 
 import glob
+import importlib.util
 import os
 import sys
 
@@ -49,11 +50,13 @@ def extension_build():
     common = dict(name="bert_fast._C", include_dirs=[os.path.abspath("csrc")])
     # at::parallel_for is serial unless the extension itself is compiled with OpenMP.
     openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
-    # Link the shared C++ runtime even where the toolchain asks for a static one
-    # (LDFLAGS=-static-libstdc++): a private libstdc++ inside _C beside torch's shared one puts two
-    # C++ runtimes in one process, and TORCH_CHECK messages thrown from _C come out truncated
-    # ('tokens id ') or crash (issue 11). Same flags as bert_fast/extension.py's SHARED_CXX_RUNTIME.
-    shared_cxx_runtime = ["-Wl,-Bdynamic", "-lstdc++"] if sys.platform.startswith("linux") else []
+    # torch's own shared libstdc++, never a private static copy (bert_fast/cxx_runtime.py says
+    # why); that file is loaded on its own, since bert_fast is not installed yet.
+    here = os.path.dirname(os.path.abspath(__file__))
+    spec = importlib.util.spec_from_file_location("bert_fast_cxx_runtime", os.path.join(here, "bert_fast", "cxx_runtime.py"))
+    cxx_runtime = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cxx_runtime)
+    shared_cxx_runtime = cxx_runtime.shared_cxx_runtime_flags()
     if with_cuda:
         archs = os.environ.get("BERT_FAST_CUDA_ARCHS")
         if archs:

@@ -19,6 +19,7 @@ import threading
 
 import torch
 
+from .cxx_runtime import shared_cxx_runtime_flags
 from .ops._autograd import compile_time_constant
 
 CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
@@ -29,11 +30,8 @@ OPS = ("ext_embedding_sum_fwd", "ext_embedding_sum_bwd", "ext_add_layernorm_fwd"
 # parallel backend is chosen by _OPENMP in the headers); at run time it shares torch's libgomp.
 OPENMP_FLAGS = ["-fopenmp"] if sys.platform.startswith("linux") else []
 
-# Link the shared C++ runtime even where the toolchain asks for a static one (-static-libstdc++):
-# a private libstdc++ inside the extension beside torch's shared one puts two C++ runtimes in one
-# process, and TORCH_CHECK messages thrown from it come out truncated ('tokens id ') or crash
-# (issue 11). setup.py links with the same flags (shared_cxx_runtime).
-SHARED_CXX_RUNTIME = ["-Wl,-Bdynamic", "-lstdc++"] if sys.platform.startswith("linux") else []
+# torch's own shared libstdc++, never a private static copy (cxx_runtime.py); setup.py links the same.
+SHARED_CXX_RUNTIME = shared_cxx_runtime_flags()
 
 _lock = threading.Lock()
 _state = {"loaded_from": None, "error": None, "cuda_kernels": False}

@@ -89,8 +89,9 @@ for step in "$@"; do
     tests-gpu)
         # The GPU-only tests, the graph and launch files, and the extension's GPU tests (with
         # the HF ones on backend cuda, and test_checks' probe of the extension's kernel image:
-        # what choosing cuda for auto needs): the part of the
-        # suite a short lease can run (97 s on the H200 before test_ext_cuda was added).
+        # what choosing cuda for auto needs), and the extension's CPU tests, which show whether
+        # this machine's compiler linked it with the shared libstdc++ (its error messages): the
+        # part of the suite a short lease can run (83 s with 8 workers on the H100, 2026-11-26).
         parallel=()
         python -c "import xdist" 2>/dev/null && parallel=(-n "${GPU_TEST_WORKERS:-8}")
         run tests-gpu python -m pytest -q -rfE -p no:cacheprovider "${parallel[@]}" --durations=15 \
@@ -106,7 +107,7 @@ for step in "$@"; do
             tests/test_embedding_triton.py::test_gpu_public_function_and_compile_match_torch_backend \
             tests/test_compile.py::test_gpu_compiled_modes_match_eager \
             tests/test_hf.py::test_gpu_forward_and_gradients_match_hf \
-            tests/test_hf.py::test_gpu_cuda_graphs_match_eager tests/test_ext_cuda.py ;;
+            tests/test_hf.py::test_gpu_cuda_graphs_match_eager tests/test_ext_cuda.py tests/test_ext_cpu.py ;;
     tests)
         # Every test, the GPU-only ones included, in parallel where pytest-xdist is installed
         # (GPU_TEST_WORKERS, default 8: the 2026-11-23 H100 run's 15 workers mostly waited on

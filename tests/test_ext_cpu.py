@@ -4,6 +4,10 @@ with autograd of the eager math), fp32 and bf16, odd H, one-row inputs, strided 
 dropout mask (bit for bit against tl.rand), thread-count independence, and input validation."""
 
 import importlib
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -198,6 +202,26 @@ def test_embedding_sum_ids_out_of_range(ops_in_child, bad):
                                            max_len, True)
 
 
+def loaded_extension_files():
+    """The files of the loaded extension: setup.py's bert_fast/_C*.so or the JIT build's."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if line.rstrip().endswith(".so")}
+    jit = bert_fast.extension.JIT_NAME
+    return sorted(p for p in paths if os.path.basename(p).startswith(jit)
+                  or (os.path.basename(p).startswith("_C.") and os.path.basename(os.path.dirname(p)) == "bert_fast"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("ldd") is None, reason="ldd, on Linux")
+def test_extension_links_the_shared_cxx_runtime(ops):
+    """A libstdc++ linked statically into the extension cuts its error messages at the first
+    number, or kills the process there (bert_fast/cxx_runtime.py): it must need the shared one."""
+    files = loaded_extension_files()
+    assert files, "the loaded extension's file is not among this process's mapped files"
+    for path in files:
+        needed = subprocess.run(["ldd", path], capture_output=True, text=True, check=True).stdout
+        assert "libstdc++.so" in needed, f"{path} needs no shared libstdc++ (a static copy inside?); ldd:\n{needed}"
+
+
 _ids, _tables = torch.randint(0, 3, (2, 5)), make_tables(7, 10, 8, torch.float32)
 _packed = torch.randint(0, 3, (10,))
 EMBEDDING_FWD_CASES = [
@@ -211,7 +235,8 @@ EMBEDDING_FWD_CASES = [
     ((_ids, _ids, *_tables[:2], _tables[2][0], None), r"pos_weight must be \(1, max_len, H\)"),
     ((_ids, _ids, _tables[0], _tables[1][:, :7], _tables[2], None), "the same H"),
     ((_ids, _ids, _tables[0].double(), *_tables[1:], None), "one dtype"),
-    ((torch.randint(0, 3, (2, 11)), torch.randint(0, 2, (2, 11)), *_tables, None), "exceeds the position table"),
+    ((torch.randint(0, 3, (2, 11)), torch.randint(0, 2, (2, 11)), *_tables, None),
+     "sequence length 11 exceeds the position table's max_len 10"),
 ]
 
 
@@ -228,7 +253,7 @@ _grad = torch.randn(2, 5, 8)
 EMBEDDING_BWD_CASES = [
     ((_grad[:, :4], _ids, _ids, None, 7, 2, 10), r"grad_out must be tokens.shape \+ \(H,\)"),
     ((_grad[..., :0], _ids, _ids, None, 7, 2, 10), "H >= 1"),
-    ((_grad, _ids, _ids, None, 0, 2, 10), "n_tokens .* must be >= 1"),
+    ((_grad, _ids, _ids, None, 0, 2, 10), "n_tokens .* must be >= 1, got 0"),
     ((_grad, _ids, _ids, None, 7, 2, 4), "exceeds the position table's max_len 4"),
     ((_grad, _ids, _ids, _ids, 7, 2, 10), "positions are only for packed"),
 ]
