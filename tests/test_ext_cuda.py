@@ -312,14 +312,20 @@ def check_layernorm(ops, rows, hidden, dtype, affine="both", transform=lambda t:
         others["Triton"] = (tri_out, *add_layernorm_bwd(grad_out, x, residual, weight, tri_mean, tri_rstd, None, 0.0,
                                                         bias is not None))
     results = {"CUDA op": (out, d_residual, d_x, d_weight, d_bias), **others}
+    # The rule's yardstick is PyTorch at the same precision on the same device: on CPU its fp32
+    # d_weight sums 4096 rows in another order than on CUDA, with a larger error (H100 run of
+    # 2026-11-26: the CPU ops failed a bound set by CUDA's layer_norm backward).
+    cpu_same_out, cpu_same_grads = torch_add_layernorm(*cpu)
     for backend, result in results.items():
         if result is None:
             continue
+        on_cpu = backend in ("C++ CPU op", "PyTorch CPU twin")
+        same_out_here, same_grads_here = (cpu_same_out, cpu_same_grads) if on_cpu else (same_out, same_grads)
         result_out, result_d_residual, _, result_d_weight, result_d_bias = (
             t.cpu() if t is not None else None for t in result)
-        assert_within_rule(result_out, ref_out.cpu(), same_out.cpu(), f"{backend}: out")
+        assert_within_rule(result_out, ref_out.cpu(), same_out_here.cpu(), f"{backend}: out")
         for actual, ref, same, name in zip((result_d_residual, result_d_weight, result_d_bias), ref_grads[1:],
-                                           same_grads[1:], ("d_residual", "d_weight", "d_bias")):
+                                           same_grads_here[1:], ("d_residual", "d_weight", "d_bias")):
             if ref is not None:
                 assert_within_rule(actual, ref.cpu(), same.cpu(), f"{backend}: {name}")
 
