@@ -6,7 +6,8 @@ truncated or kill the process (issue 11). ``-Wl,-Bdynamic -lstdc++`` was not eno
 H100 machine of 2026-11-26 (g++ 13.3 under /opt/gcc) ``ldd`` listed no libstdc++ for the
 extension built with it, and every input check whose message formats a number ended in a
 segfault, on the CPU and CUDA ops alike. So the extension links the very file this process has
-loaded (torch's), by path; ``-lstdc++`` only where no libstdc++ is loaded.
+loaded (torch's), by path; ``-lstdc++`` only where no libstdc++ is loaded. CI builds it the
+way such toolchains do (scripts/ci_hostile_toolchain.sh); tests/test_ext_link.py reads the result.
 
 No imports beyond the standard library: setup.py loads this file on its own, before bert_fast
 is installed. Call it after ``import torch``.

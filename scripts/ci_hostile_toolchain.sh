@@ -2,8 +2,10 @@
 # CI check for issue 11: a toolchain that links libstdc++ statically into the extension put a
 # second C++ runtime in the process beside torch's, and TORCH_CHECK messages thrown from the
 # extension came out truncated ('tokens id ') or crashed. This builds the extension the way such
-# a toolchain does (LDFLAGS=-static-libstdc++; C++ CPU ops only, quick) in a scratch copy of the
-# repository, then runs the extension's CPU tests (their error messages) and the link test
+# toolchains do (C++ CPU ops only, quick) in a scratch copy of the repository: LDFLAGS asks for
+# -static-libstdc++, and the first library directory holds only libstdc++.a, as the H100
+# machine's g++ 13.3 did on 2026-11-26 (where `-Wl,-Bdynamic -lstdc++` still linked the static
+# copy). Then it runs the extension's CPU tests (their error messages) and the link test
 # (tests/test_ext_link.py: libstdc++.so.6 needed, no __cxa_throw of its own) against that build.
 # Exits non-zero if the build or any test fails. Uses the current environment's Python (PYTHON).
 set -euo pipefail
@@ -18,8 +20,12 @@ trap 'rm -rf "$copy"' EXIT
 "$repo/scripts/copy_checkout.sh" "$copy" bert_fast csrc tests setup.py conftest.py pytest.ini README.md pyproject.toml
 
 cd "$copy"
-echo "ci_hostile_toolchain: building the extension in $copy with LDFLAGS=-static-libstdc++"
-if ! LDFLAGS="${LDFLAGS:+$LDFLAGS }-static-libstdc++" BERT_FAST_SKIP_CUDA_BUILD=1 \
+static_only=$copy/static-libstdcxx
+mkdir "$static_only"
+ln -s "$(${CXX:-g++} -print-file-name=libstdc++.a)" "$static_only/libstdc++.a"
+hostile="-L$static_only -static-libstdc++"
+echo "ci_hostile_toolchain: building the extension in $copy with LDFLAGS=$hostile"
+if ! LDFLAGS="${LDFLAGS:+$LDFLAGS }$hostile" BERT_FAST_SKIP_CUDA_BUILD=1 \
         "$PYTHON" setup.py build_ext --inplace >build.log 2>&1; then
     cat build.log
     echo "ci_hostile_toolchain: FAILED: the build failed" >&2

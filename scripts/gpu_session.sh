@@ -89,7 +89,7 @@ for step in "$@"; do
     tests-gpu)
         # The GPU-only tests, the graph and launch files, and the extension's GPU tests (with
         # the HF ones on backend cuda, and test_checks' probe of the extension's kernel image:
-        # what choosing cuda for auto needs), and the extension's CPU tests, which show whether
+        # what choosing cuda for auto needs), and the extension's CPU and link tests: whether
         # this machine's compiler linked it with the shared libstdc++ (its error messages): the
         # part of the suite a short lease can run (83 s with 8 workers on the H100, 2026-11-26).
         parallel=()
@@ -107,7 +107,7 @@ for step in "$@"; do
             tests/test_embedding_triton.py::test_gpu_public_function_and_compile_match_torch_backend \
             tests/test_compile.py::test_gpu_compiled_modes_match_eager \
             tests/test_hf.py::test_gpu_forward_and_gradients_match_hf \
-            tests/test_hf.py::test_gpu_cuda_graphs_match_eager tests/test_ext_cuda.py tests/test_ext_cpu.py ;;
+            tests/test_hf.py::test_gpu_cuda_graphs_match_eager tests/test_ext_cuda.py tests/test_ext_cpu.py tests/test_ext_link.py ;;
     tests)
         # Every test, the GPU-only ones included, in parallel where pytest-xdist is installed
         # (GPU_TEST_WORKERS, default 8: the 2026-11-23 H100 run's 15 workers mostly waited on
