@@ -8,8 +8,9 @@
 #   bash scripts/gpu_session.sh build profile      # the kernels of one forward, graph replay time
 #   bash scripts/gpu_session.sh build profile-train kernels-small   # a training step's kernels;
 #                                                  # the memory-bound ops' kernels at 128-8192 rows
-#   PACK=1 bash scripts/gpu_session.sh build attention-tiles ncu-small small-m-gemm   # experiments:
-#                                                  # attention tiles, few-row kernels, small-M GEMMs
+#   PACK=1 bash scripts/gpu_session.sh build attention-tiles layernorm-tiles ncu-small small-m-gemm
+#                                                  # experiments: attention tiles, Triton LayerNorm
+#                                                  # backward shapes, few-row kernels, small-M GEMMs
 #   bash scripts/gpu_session.sh suite-base suite-train host   # the matrix (BERT-base bf16), a
 #                                                  # training step, host time per forward
 #   bash scripts/gpu_session.sh suite-base-fp16 suite-large host-skip-padding
@@ -20,8 +21,10 @@
 # with 8 workers before test_ext_cuda.py joined it, then cut at 200 s inside that file (whose
 # embedding cases recompiled the Triton kernels per row count: trimmed since, not re-timed).
 # Later that day: profile under a minute (3 shapes x auto, triton); tests-gpu cut at 150 s
-# (538 passed, in test_ext_cuda.py). `tests` (the whole suite), `sanitize`, `profile-train`,
-# `kernels-small`, `ncu-small`, `attention-tiles` and `small-m-gemm` have not run on a GPU.
+# (538 passed, in test_ext_cuda.py). On an H100 that day: build 50 s, suite-base 109 s, profile
+# 15 s, attention-tiles 10 s, small-m-gemm 36 s, tests-gpu 83-89 s (8 workers, to the end),
+# kernels-small 20 s, profile-train 16 s, ncu-small 11 s. `tests` (the whole suite), `sanitize`
+# and `layernorm-tiles` have not run on a GPU.
 # A machine held idle for 30 s is given back and the next call starts a bare one (build again).
 #
 # STEP_TIMEOUT=S interrupts each step after S seconds (SIGINT: pytest prints what ran, and the
@@ -156,6 +159,11 @@ for step in "$@"; do
         # at the suite's latency, dense and long shapes (padded and varlen): GPU us and TFLOP/s.
         # The candidates compile for sm_90 without spills (kernel_resources, triton 3.9).
         run attention-tiles env PYTHONPATH=. python scripts/attention_tiles.py ;;
+    layernorm-tiles)
+        # Triton's add_layernorm backward (a fifth of the extension's bandwidth on the H100)
+        # under candidate launch shapes, at 128, 4096 and 8192 rows of 768, with and without
+        # dropout. The candidates compile for sm_90 without spills (kernel_resources, triton 3.9).
+        run layernorm-tiles env PYTHONPATH=. python scripts/layernorm_bwd_tiles.py ;;
     small-m-gemm)
         # A BERT-base layer's GEMMs at 128 rows: cuBLAS against Inductor's max-autotune choice
         # (Triton templates): whether a Triton GEMM could cut the B1 L128 graph's GEMM time.
@@ -184,7 +192,7 @@ for step in "$@"; do
             --matrix-preset base --matrix-dtype bfloat16 -k "not max_autotune" \
             --matrix-record "$results/$stamp-matrix.json" --benchmark-json "$results/$stamp-matrix-benchmark.json" ;;
     *)
-        echo "unknown step '$step' (install build tests tests-gpu sanitize kernels kernels-small ncu-small attention-tiles small-m-gemm profile profile-train host host-skip-padding suite-base suite-base-fp16 suite-large" \
+        echo "unknown step '$step' (install build tests tests-gpu sanitize kernels kernels-small ncu-small attention-tiles layernorm-tiles small-m-gemm profile profile-train host host-skip-padding suite-base suite-base-fp16 suite-large" \
              "suite-train matrix)" >&2
         failures=$((failures + 1)) ;;
     esac
