@@ -23,8 +23,8 @@
 # Later that day: profile under a minute (3 shapes x auto, triton); tests-gpu cut at 150 s
 # (538 passed, in test_ext_cuda.py). On an H100 that day: build 50 s, suite-base 109 s, profile
 # 15 s, attention-tiles 10 s, small-m-gemm 36 s, tests-gpu 83-89 s (8 workers, to the end),
-# kernels-small 20 s, profile-train 16 s, ncu-small 11 s. `tests` (the whole suite), `sanitize`
-# and `layernorm-tiles` have not run on a GPU.
+# kernels-small 20 s, profile-train 16 s, ncu-small 11 s. `tests` (the whole suite), `sanitize`,
+# `layernorm-tiles` and `profile-graph-call` have not run on a GPU.
 # A machine held idle for 30 s is given back and the next call starts a bare one (build again).
 #
 # STEP_TIMEOUT=S interrupts each step after S seconds (SIGINT: pytest prints what ran, and the
@@ -145,6 +145,10 @@ for step in "$@"; do
         # The kernels of one forward (torch profiler) and its CUDA-graph replay time, per shape:
         # where the GPU time goes, the auto backend beside triton.
         run profile env PYTHONPATH=. python scripts/profile_kernels.py --backends auto triton ;;
+    profile-graph-call)
+        # Where a cuda_graphs=True call's host time goes beside its replay (B1 L128: 0.777 ms a
+        # call against a 0.434 ms replay on the H100), check_inputs on and off, capture_encoder.
+        run profile-graph-call env PYTHONPATH=. python scripts/profile_graph_call.py ;;
     profile-train)
         # The kernels of a training step's forward+backward (B32 L128, dropout 0.1), per backend.
         run profile-train env PYTHONPATH=. python scripts/profile_kernels.py --train --backends auto triton torch ;;
@@ -192,7 +196,7 @@ for step in "$@"; do
             --matrix-preset base --matrix-dtype bfloat16 -k "not max_autotune" \
             --matrix-record "$results/$stamp-matrix.json" --benchmark-json "$results/$stamp-matrix-benchmark.json" ;;
     *)
-        echo "unknown step '$step' (install build tests tests-gpu sanitize kernels kernels-small ncu-small attention-tiles layernorm-tiles small-m-gemm profile profile-train host host-skip-padding suite-base suite-base-fp16 suite-large" \
+        echo "unknown step '$step' (install build tests tests-gpu sanitize kernels kernels-small ncu-small attention-tiles layernorm-tiles small-m-gemm profile profile-graph-call profile-train host host-skip-padding suite-base suite-base-fp16 suite-large" \
              "suite-train matrix)" >&2
         failures=$((failures + 1)) ;;
     esac

@@ -1,0 +1,98 @@
+"""Where the host time of a cuda_graphs=True call goes, beside its replay:
+
+  python scripts/profile_graph_call.py [--shape latency] [--calls 200]
+
+On the H100 (2026-11-26) BERT-base bf16 at B1 L128 replays in 0.434 ms, capture_encoder's
+call takes 0.497 ms and FastBERTEncoder(cuda_graphs=True)'s 0.777 ms, timed as the suite times
+(synchronize before and after each call). The same call on the CPU VM, replay stubbed, is
+~70-80 µs of host work. This prints, for the automatic graphs with check_inputs on (users'
+default) and off, and for capture_encoder: the median µs a call timed that way, the median µs a
+call back to back (one synchronize per 20 calls, so host work may overlap the replays), and the
+Python functions taking the most host time over ``--calls`` calls (cProfile; time inside torch's
+C++ calls, such as a host read's wait, shows under the calling builtin). A GPU tool for
+scripts/gpu_session.sh's `profile-graph-call` step; it changes nothing.
+"""
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+
+import torch
+
+from bert_fast.bench_common import encoder_config, fast_encoder_sharing, make_inputs
+from bert_fast.bench_suite import SHAPES
+from bert_fast.cuda_graph import capture_encoder
+from bert_fast.reference import BERTEncoder
+
+
+def per_call_us(call, calls, synchronize_each):
+    """Median µs of a call over rounds of 20: each call synchronised, or the round's 20 back to back."""
+    samples = []
+    for _ in range(max(1, calls // 20)):
+        torch.cuda.synchronize()
+        if synchronize_each:
+            for _ in range(20):
+                start = time.perf_counter()
+                call()
+                torch.cuda.synchronize()
+                samples.append((time.perf_counter() - start) * 1e6)
+        else:
+            start = time.perf_counter()
+            for _ in range(20):
+                call()
+            torch.cuda.synchronize()
+            samples.append((time.perf_counter() - start) * 1e6 / 20)
+    return statistics.median(samples)
+
+
+def top_functions(call, calls, lines):
+    profile = cProfile.Profile()
+    torch.cuda.synchronize()
+    profile.enable()
+    for _ in range(calls):
+        call()
+    torch.cuda.synchronize()
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(lines)
+    return text.getvalue()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=SHAPES, default="latency")
+    parser.add_argument("--preset", default="base")
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--lines", type=int, default=25, help="functions listed per method")
+    parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)   # a CPU smoke test, replays stubbed
+    options = parser.parse_args()
+    device = torch.device(options.device)
+    shape = SHAPES[options.shape]
+    config = encoder_config(options.preset)
+    torch.manual_seed(0)
+    eager = BERTEncoder(**config).to(device=device, dtype=torch.bfloat16).eval()
+    inputs = tuple(make_inputs(shape.batch, shape.seq, shape.min_len_frac, config["vocab_size"], 0, device))
+    methods = {}
+    for check in (True, False):
+        encoder = fast_encoder_sharing(eager, config, backend="auto", cuda_graphs=True, check_inputs=check)
+        methods[f"cuda_graphs=True, check_inputs={check}"] = lambda encoder=encoder: encoder(*inputs)
+    graphed = capture_encoder(fast_encoder_sharing(eager, config, backend="auto", check_inputs=False), *inputs,
+                              clone_output=False)
+    methods["capture_encoder (check_inputs=False, clone_output=False)"] = lambda: graphed(*inputs)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {options.preset} bf16 "
+          f"{options.shape} B{shape.batch} L{shape.seq}")
+    with torch.inference_mode():
+        for name, call in methods.items():
+            for _ in range(3):
+                call()                     # captures, warmup
+            each = per_call_us(call, options.calls, synchronize_each=True)
+            back_to_back = per_call_us(call, options.calls, synchronize_each=False)
+            print(f"\n## {name}: {each:.0f} µs a call synchronised, {back_to_back:.0f} µs back to back")
+            print(top_functions(call, options.calls, options.lines))
+
+
+if __name__ == "__main__":
+    main()
