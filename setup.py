@@ -53,7 +53,8 @@ def extension_build():
     # torch's own shared libstdc++, never a private static copy (bert_fast/cxx_runtime.py says
     # why); that file is loaded on its own, since bert_fast is not installed yet.
     here = os.path.dirname(os.path.abspath(__file__))
-    spec = importlib.util.spec_from_file_location("bert_fast_cxx_runtime", os.path.join(here, "bert_fast", "cxx_runtime.py"))
+    spec = importlib.util.spec_from_file_location("bert_fast_cxx_runtime",
+                                                  os.path.join(here, "bert_fast", "cxx_runtime.py"))
     cxx_runtime = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cxx_runtime)
     shared_cxx_runtime = cxx_runtime.shared_cxx_runtime_flags()
