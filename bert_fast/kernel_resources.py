@@ -140,7 +140,8 @@ def _jsonable(constexprs):
             for name, value in constexprs.items()}
 
 
-OP_FILES = ("add_layernorm", "attention", "bias_act", "embedding", "embedding_layernorm", "graph_inputs")
+OP_FILES = ("add_layernorm", "attention", "bias_act", "column_sums", "embedding", "embedding_layernorm",
+            "graph_inputs")
 
 
 def _op_modules():

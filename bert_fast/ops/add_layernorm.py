@@ -25,9 +25,9 @@ per program and loads weight/bias once for all of them. Registers bound the tile
 _layernorm_blocks); the compiler decides how the warps split the tile. The backward runs a
 fixed number of programs (4 per SM) that stride over the row tiles, each accumulating its
 d_weight/d_bias contribution in fp32 registers and writing one row of a (programs, H) fp32
-buffer; the second stage is ``buffer.sum(0)`` in PyTorch: the buffer is a few hundred rows
-(~1.6 MB at H = 768 on 132 SMs), one torch reduction reads it at bandwidth in a single
-launch, and a kernel of our own would add code without saving that launch.
+buffer; the second stage is ops.column_sums, which sums the buffer's few hundred rows (~1.6 MB
+at H = 768 on 132 SMs) and casts the sums to the gradients' dtype in one launch (PyTorch's
+``buffer.sum(0)``, then a cast, were two, the reduction at a fraction of the bandwidth).
 """
 
 import torch
@@ -41,6 +41,7 @@ from ._autograd import (autocasting, below_autograd, deferred_ops, forbid_double
 from ._philox import check_seed, dropout_keep, dropout_seed
 from ._triton import (as_dtype, cdiv, compute_dtype, cpu_kernel, KERNEL_DTYPES, launch, next_power_of_2,
                       nothing_to_launch, reduction_programs, require_triton, rows, tl, triton, uses_triton)
+from .column_sums import column_sums
 
 # The whole row lives in registers (one tile row per normalised row).
 MAX_HIDDEN = 8192
@@ -288,7 +289,7 @@ def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, d
             BLOCK_H=block_h, ROWS_PER_PROGRAM=rows_per_program, num_warps=num_warps)
     if parts:
         sums = (torch.zeros((parts, hidden), dtype=x.dtype, device=x.device) if empty
-                else as_dtype(partials.sum(0), x.dtype))
+                else column_sums(partials, x.dtype))
         sums = iter(sums.unbind(0))
     grads = (d_residual, d_x, next(sums) if has_weight else None, next(sums) if has_bias else None)
     return grads + (next(sums),) if x_bias else grads

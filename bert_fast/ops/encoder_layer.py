@@ -14,8 +14,10 @@ in one ``torch.autograd.Function``, whose backward chains the backward launchers
 with the residual gradients folded into the GEMMs (``addmm(d_residual, d_z, W)``), the
 gradients of b_o and b_2 summed by the add-norms' backward kernels beside their own weight and
 bias gradients (one reduction for the three, no pass over the rows of their own: 4 launches a
-layer fewer), and the packed QKV weight's gradient computed once and handed to W_q, W_k, W_v
-as three slices (no concatenation node). Saved tensors are what the per-op path saves.
+layer fewer), b_1's summed by the kernel that masks ReLU's gradient (bias_act's backward; with
+the kernels, not on the CPU), and the packed QKV weight's gradient computed once and handed to
+W_q, W_k, W_v as three slices (no concatenation node). Saved tensors are what the per-op path
+saves.
 
 Under autocast (for the layer's device; ``LayerSpec.amp_dtype``) the layer makes autocast's
 casts itself, as the per-op path's F.linear gets them: GEMMs, attention and activation in
@@ -43,7 +45,7 @@ from torch.nn import functional as F
 from .add_layernorm import _add_layernorm_bwd, _add_layernorm_fwd, _add_layernorm_fwd_output, _ext_bwd, _ext_fwd
 from .attention import (_attention_bwd, _attention_fwd, _runs_kernel, _varlen_attention_bwd, _varlen_attention_fwd,
                         key_mask as _key_mask)
-from .bias_act import _bias_act_bwd, _bias_act_fwd
+from .bias_act import _bias_act_bwd, _bias_act_fwd, _relu_bwd
 from ._autograd import once_differentiable, records_grad, thin_apply
 from ._triton import as_dtype
 from ._philox import dropout_seed
@@ -51,7 +53,6 @@ from .padding import Unpadding
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-_threshold_backward = torch.ops.aten.threshold_backward.default
 
 
 class LayerSpec(NamedTuple):
@@ -279,8 +280,7 @@ class _EncoderLayer(torch.autograd.Function):
         d_w2 = d_f.t().mm(h) if needs[16] else None
         d_h = d_f.mm(w_2)
         if spec.activation == "relu":
-            d_z = _threshold_backward(d_h, act_saved, 0)
-            d_b1 = d_z.sum(0) if needs[15] else None
+            d_z, d_b1 = _relu_bwd(d_h, act_saved, b_1 if needs[15] else None)
         else:
             d_z, d_b1 = _bias_act_bwd(d_h, act_saved, b_1, spec.activation)
             d_b1 = d_b1 if needs[15] else None
