@@ -5,7 +5,7 @@
 // Cost (s = bytes per element; memory-bound, ~10 flops per element):
 //   forward   reads x, residual; writes out, 8 B of statistics per row        -> 3 s B/element
 //   backward  reads grad, x, residual; writes d_residual (and d_x with dropout) -> 4 s (5 s)
-//             plus (blocks, hidden) fp32 partial d_weight/d_bias rows, summed by the caller.
+//             plus (blocks, hidden) fp32 partial d_weight/d_bias rows, summed by stage two.
 // Each element is read once per pass: a row stays in registers between the mean, the variance
 // and the normalisation (forward), or between the two row sums and the final formula (backward).
 //
@@ -24,9 +24,11 @@
 // at once, from the occupancy of the chosen kernel); each block walks row groups g = block,
 // block + blocks, ... and keeps its column sums in registers; at the end it writes one fp32 row
 // of partial sums (the row groups of a block are first added in shared memory, in group order).
-// The caller sums the (blocks, hidden) partials with one torch reduction: a few hundred rows,
-// read once at bandwidth in a single launch; a kernel of ours would save nothing.
+// Stage two (column_sums.cuh) sums the (blocks, hidden) partials of both, a few hundred rows
+// each, and rounds the sums to T: one launch after the kernel (PyTorch's sum and cast per
+// gradient were four).
 #include "cuda_utils.cuh"
+#include "column_sums.cuh"
 #include "kernels.h"
 #include "philox.h"
 
@@ -408,6 +410,8 @@ void fwd_typed(const FwdArgs& a, cudaStream_t stream) {
 struct BwdArgs {
   void* d_residual;
   void* d_x;
+  void* d_weight;
+  void* d_bias;
   float* d_weight_partial;
   float* d_bias_partial;
   int64_t partial_rows;
@@ -467,6 +471,26 @@ cudaError_t run_bwd(const BwdArgs& a, const Layout& layout, cudaStream_t stream)
                           dim3(static_cast<unsigned>(a.partial_rows)), dim3(layout.block_threads), args, 0, stream);
 }
 
+// d_weight / d_bias (hidden elements of T each; null: not wanted) from their partial rows.
+template <typename T>
+cudaError_t column_sums_typed(const BwdArgs& a, cudaStream_t stream) {
+  ColumnSumParts<T> parts{};
+  unsigned pairs = 0;
+  if (a.d_weight != nullptr) {
+    parts.partial[pairs] = a.d_weight_partial;
+    parts.out[pairs++] = static_cast<T*>(a.d_weight);
+  }
+  if (a.d_bias != nullptr) {
+    parts.partial[pairs] = a.d_bias_partial;
+    parts.out[pairs++] = static_cast<T*>(a.d_bias);
+  }
+  if (pairs == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>((a.hidden + kColumnSumLanes - 1) / kColumnSumLanes), pairs);
+  column_sums_kernel<T><<<grid, kColumnSumThreads, 0, stream>>>(parts, a.partial_rows, a.hidden);
+  return cudaGetLastError();
+}
+
+// The backward kernel, then stage two.
 template <typename T>
 cudaError_t bwd_typed(const BwdArgs& a, cudaStream_t stream) {
   constexpr int kVec = kPack16<T>;
@@ -474,7 +498,8 @@ cudaError_t bwd_typed(const BwdArgs& a, cudaStream_t stream) {
   const bool packed = a.hidden % kVec == 0 && is_aligned(a.d_residual, 16) && is_aligned(a.d_x, 16) &&
                       is_aligned(a.grad, 16) && is_aligned(a.x, 16) && is_aligned(a.residual, 16) &&
                       is_aligned(a.weight, 16);
-  return packed ? run_bwd<T, kVec>(a, layout, stream) : run_bwd<T, 1>(a, layout, stream);
+  const cudaError_t error = packed ? run_bwd<T, kVec>(a, layout, stream) : run_bwd<T, 1>(a, layout, stream);
+  return error != cudaSuccess ? error : column_sums_typed<T>(a, stream);
 }
 
 // The rows of the partial d_weight / d_bias buffers: the blocks of one full wave of the
@@ -531,28 +556,30 @@ int add_layernorm_bwd_partial_rows(DType dtype, int64_t rows, int64_t hidden, do
   }
 }
 
-int launch_add_layernorm_bwd(DType dtype, void* d_residual, void* d_x, float* d_weight_partial,
-                             float* d_bias_partial, int64_t partial_rows, const void* grad, const void* x,
-                             const void* residual, const void* weight, const float* mean, const float* rstd,
-                             int64_t rows, int64_t hidden, const int64_t* seed, double dropout_p,
+int launch_add_layernorm_bwd(DType dtype, void* d_residual, void* d_x, void* d_weight, void* d_bias,
+                             float* d_weight_partial, float* d_bias_partial, int64_t partial_rows, const void* grad,
+                             const void* x, const void* residual, const void* weight, const float* mean,
+                             const float* rstd, int64_t rows, int64_t hidden, const int64_t* seed, double dropout_p,
                              cudaStream_t stream) {
   const bool dropout = dropout_p > 0.0;
   if (!valid_hidden(hidden) || rows < 0 || partial_rows < 1 || partial_rows > INT32_MAX ||
-      !(dropout_p >= 0.0 && dropout_p <= 1.0) || (dropout && (seed == nullptr || d_x == nullptr))) {
+      !(dropout_p >= 0.0 && dropout_p <= 1.0) || (dropout && (seed == nullptr || d_x == nullptr)) ||
+      (d_weight == nullptr) != (d_weight_partial == nullptr) || (d_bias == nullptr) != (d_bias_partial == nullptr)) {
     return cudaErrorInvalidValue;
   }
   if (rows == 0) {
-    // No rows: the partial sums are zeros.
-    const size_t bytes = static_cast<size_t>(partial_rows) * static_cast<size_t>(hidden) * sizeof(float);
-    if (d_weight_partial) {
-      const cudaError_t error = cudaMemsetAsync(d_weight_partial, 0, bytes, stream);
+    // No rows: the sums are zeros (all-zero bits in every type here).
+    const size_t bytes = static_cast<size_t>(hidden) * (dtype == DType::Float32 ? 4 : 2);
+    if (d_weight) {
+      const cudaError_t error = cudaMemsetAsync(d_weight, 0, bytes, stream);
       if (error != cudaSuccess) return error;
     }
-    if (d_bias_partial) return cudaMemsetAsync(d_bias_partial, 0, bytes, stream);
+    if (d_bias) return cudaMemsetAsync(d_bias, 0, bytes, stream);
     return cudaSuccess;
   }
-  const BwdArgs args{d_residual, dropout ? d_x : nullptr, d_weight_partial, d_bias_partial, partial_rows,
-                     grad, x, residual, weight, mean, rstd, rows, static_cast<int>(hidden), seed, dropout_p};
+  const BwdArgs args{d_residual, dropout ? d_x : nullptr, d_weight, d_bias, d_weight_partial, d_bias_partial,
+                     partial_rows, grad, x, residual, weight, mean, rstd, rows, static_cast<int>(hidden), seed,
+                     dropout_p};
   switch (dtype) {
     case DType::Float32: return bwd_typed<float>(args, stream);
     case DType::Float16: return bwd_typed<__half>(args, stream);

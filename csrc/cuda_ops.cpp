@@ -229,19 +229,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layernorm_bwd_cud
     int64_t partial_rows = 0;
     check_launch(add_layernorm_bwd_partial_rows(kernel_dtype(x.scalar_type()), rows, hidden, dropout_p,
                                                 x.device().index(), &partial_rows));
-    // Every block writes its partial row, so the buffers need no zeroing.
-    at::Tensor d_weight_partial = weight.has_value() ? at::empty({partial_rows, hidden}, fp32) : at::Tensor();
-    at::Tensor d_bias_partial = has_bias ? at::empty({partial_rows, hidden}, fp32) : at::Tensor();
+    // Scratch for the kernel's partial rows, d_weight's then d_bias's (every block writes its
+    // rows, so no zeroing); the launch sums them into d_weight / d_bias.
+    const bool has_weight = weight.has_value();
+    const int64_t parts = static_cast<int64_t>(has_weight) + static_cast<int64_t>(has_bias);
+    at::Tensor partials = parts > 0 ? at::empty({parts * partial_rows, hidden}, fp32) : at::Tensor();
+    float* d_weight_partial = has_weight ? partials.mutable_data_ptr<float>() : nullptr;
+    float* d_bias_partial = has_bias ? partials.mutable_data_ptr<float>() + (parts - 1) * partial_rows * hidden : nullptr;
+    if (has_weight) d_weight = at::empty({hidden}, options);
+    if (has_bias) d_bias = at::empty({hidden}, options);
     check_launch(launch_add_layernorm_bwd(
         kernel_dtype(x.scalar_type()), d_residual.mutable_data_ptr(), dropout ? d_x.mutable_data_ptr() : nullptr,
-        d_weight_partial.defined() ? d_weight_partial.mutable_data_ptr<float>() : nullptr,
-        d_bias_partial.defined() ? d_bias_partial.mutable_data_ptr<float>() : nullptr, partial_rows,
+        has_weight ? d_weight.mutable_data_ptr() : nullptr, has_bias ? d_bias.mutable_data_ptr() : nullptr,
+        d_weight_partial, d_bias_partial, partial_rows,
         grad2.const_data_ptr(), x2.const_data_ptr(), residual2.const_data_ptr(), optional_ptr(weight1),
         mean1.const_data_ptr<float>(), rstd1.const_data_ptr<float>(), rows, hidden,
         dropout ? seed->const_data_ptr<int64_t>() : nullptr, dropout_p, c10::cuda::getCurrentCUDAStream()));
-    // Stage two of d_weight / d_bias: one torch reduction over the few hundred partial rows.
-    if (d_weight_partial.defined()) d_weight = d_weight_partial.sum(0).to(x.scalar_type());
-    if (d_bias_partial.defined()) d_bias = d_bias_partial.sum(0).to(x.scalar_type());
   }
   return {d_residual.view(x.sizes()), dropout ? d_x.view(x.sizes()) : d_x, d_weight, d_bias};
 }

@@ -68,14 +68,15 @@ int add_layernorm_bwd_partial_rows(DType dtype, int64_t rows, int64_t hidden, do
 // The backward of launch_add_layernorm_fwd, from the forward's mean/rstd (the sum is
 // recomputed, with the forward's dropout mask). Writes d_residual (rows, hidden); d_x only
 // when dropout_p > 0 (d_x = d_residual * keep / (1 - p)); otherwise d_x may be null.
-// d_weight_partial / d_bias_partial (may be null: not wanted) receive one fp32 row per block,
-// every row written (zeros where a block had no rows); the caller sums them over rows.
-// partial_rows: from add_layernorm_bwd_partial_rows, or any other count >= 1 (the blocks
-// stride over the rows).
-int launch_add_layernorm_bwd(DType dtype, void* d_residual, void* d_x, float* d_weight_partial,
-                             float* d_bias_partial, int64_t partial_rows, const void* grad, const void* x,
-                             const void* residual, const void* weight, const float* mean, const float* rstd,
-                             int64_t rows, int64_t hidden, const int64_t* seed, double dropout_p,
+// d_weight / d_bias (hidden elements of dtype; may be null: not wanted) each need a scratch
+// buffer, d_weight_partial / d_bias_partial (partial_rows, hidden) fp32 (null exactly when the
+// gradient is): the kernel writes one fp32 row of column sums per block there, then a second
+// launch sums the rows in a fixed order and rounds once to dtype. partial_rows: from
+// add_layernorm_bwd_partial_rows, or any other count >= 1 (the blocks stride over the rows).
+int launch_add_layernorm_bwd(DType dtype, void* d_residual, void* d_x, void* d_weight, void* d_bias,
+                             float* d_weight_partial, float* d_bias_partial, int64_t partial_rows, const void* grad,
+                             const void* x, const void* residual, const void* weight, const float* mean,
+                             const float* rstd, int64_t rows, int64_t hidden, const int64_t* seed, double dropout_p,
                              cudaStream_t stream);
 
 // 0 (cudaSuccess) when the current GPU can run this build's kernels: they hold machine code
