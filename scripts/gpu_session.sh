@@ -106,6 +106,9 @@ for step in "$@"; do
             tests/test_add_layernorm_triton.py::test_gpu_dropout \
             tests/test_add_layernorm_triton.py::test_gpu_public_function_and_compile_match_torch_backend \
             tests/test_bias_act_triton.py::test_gpu_linear_act_and_compile_match_torch_backend \
+            tests/test_column_sums.py tests/test_encoder_layer.py::test_fused_layer_matches_the_torch_backend \
+            tests/test_encoder_layer.py::test_gpu_fused_layer_matches_the_per_op_path \
+            tests/test_encoder_layer.py::test_gpu_fused_layer_on_packed_tokens_matches_the_per_op_path \
             tests/test_embedding_triton.py::test_gpu_deterministic_backward_is_bitwise_repeatable \
             tests/test_embedding_triton.py::test_gpu_public_function_and_compile_match_torch_backend \
             tests/test_compile.py::test_gpu_compiled_modes_match_eager \

@@ -367,6 +367,27 @@ def test_fused_layer_on_packed_tokens_through_the_kernels(backend, packing, drop
     assert_close(*inferred, atol=1e-5, rtol=0, what="inference output")
 
 
+@needs_kernels
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("valid_lens", list(VALID_LENS.values()), ids=list(VALID_LENS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_layer_matches_the_torch_backend(backend, valid_lens, activation):
+    """Against plain PyTorch (the torch backend's block, same weights), which shares none of the
+    fused layer's kernels: the per-op path above shares its backward's bias-gradient sums
+    (bias_act's kernel for ReLU too, then column_sums). On a GPU, or in the interpreter."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    block = make_block(backend, use_bias=True, activation=activation, device=device)
+    plain = make_block("torch", use_bias=True, activation=activation, device=device)
+    plain.load_state_dict(block.state_dict())
+    x, grad_out = inputs(device)
+    with contextlib.nullcontext() if device == "cuda" else kernels_on_cpu():
+        key_mask = ops.prepare_key_mask(None if valid_lens is None else valid_lens.to(device), L, backend)
+        fused = run(block, x, key_mask, grad_out)
+    assert type(fused[1]).__name__ == "_EncoderLayerBackward", "the fused node was not used"
+    reference = run(plain, x, None if valid_lens is None else valid_lens.to(device), grad_out)
+    assert_same(fused, reference, atol=1e-4)
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if BF16_OK else []), ids=str)
 @pytest.mark.parametrize("packing", list(PACKINGS))
