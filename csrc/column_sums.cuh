@@ -1,8 +1,8 @@
 // Stage two of a backward that reduces over rows in blocks (add_layernorm's d_weight and
 // d_bias): the column sums of the blocks' fp32 partial rows, rounded once to the gradient's
-// type, for up to two buffers in one launch. PyTorch's reduction of such a (264, 768) buffer
-// took 11 us on an H100 (a B32 L128 training step, 2026-11-26), ~75 GB/s, and a cast after it
-// was one more launch per gradient.
+// type, for up to two buffers in one launch. PyTorch's reduction of such a buffer (a few
+// hundred rows of 768) took 11 us on an H100 (a B32 L128 training step, 2026-11-26), and a cast
+// after it was one more launch per gradient.
 //
 // Device code on CUDA's built-ins and cuda_utils::from_float only, so that
 // tests/test_csrc_emulated.py can run it on the CPU (one thread per CUDA thread): include it
@@ -15,7 +15,7 @@ namespace bert_fast {
 // A block sums kColumnSumLanes adjacent columns (128 contiguous bytes of each fp32 row) over
 // every partial row: its kColumnSumSlices warps take rows slice, slice + kColumnSumSlices, ...,
 // then the block adds the slices' sums in shared memory in slice order, so a column's sum is
-// the same on every run. 16 slices keep a few hundred rows to ~20 loads a thread.
+// the same on every run. 16 slices keep a few hundred rows to a few dozen loads a thread.
 constexpr int kColumnSumLanes = 32;
 constexpr int kColumnSumSlices = 16;
 constexpr int kColumnSumThreads = kColumnSumLanes * kColumnSumSlices;

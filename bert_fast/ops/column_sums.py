@@ -34,9 +34,9 @@ _COLUMN_SUMS_BLOCKS = dict(BLOCK_R=128, BLOCK_C=16, num_warps=4)
 def column_sums(partials, dtype):
     """The sum over dim 0 of contiguous fp32 ``partials`` (programs, ...), shaped
     ``partials.shape[1:]``, in ``dtype``, in one launch. ``partials.sum(0).to(dtype)`` is two,
-    and PyTorch's reduction of the extension's (264, 768) partial rows took 11 us a call on an
-    H100 (a B32 L128 training step's profile, 2026-11-26): ~75 GB/s, too few outputs to spread
-    over the GPU.
+    and PyTorch's reduction of the extension's partial rows (a few hundred, by 768) took 11 us a
+    call on an H100 (a B32 L128 training step's profile, 2026-11-26), a small fraction of the
+    bandwidth: too few outputs to spread over the GPU.
     """
     out = torch.empty(partials.shape[1:], dtype=dtype, device=partials.device)
     n_cols = out.numel()
