@@ -358,16 +358,20 @@ _threshold_backward = torch.ops.aten.threshold_backward.default
 
 
 def _relu_bwd(grad_out, out, bias):
-    """ReLU's backward from its output (out > 0 exactly where the pre-activation is): (d_z, the
-    bias's gradient, None without ``bias``). On the Triton launchers' tensors bias_act's backward
-    kernel masks the gradient and sums the bias's partial rows from the fp32 values as it goes
-    (then column_sums): d_z is not read again for the bias, 25 MB a layer in a BERT-base B32
-    L128 step. Elsewhere threshold_backward, then a sum over d_z."""
+    """ReLU's backward from its output (out > 0 exactly where the pre-activation is): (d_z as
+    rows (-1, N), the bias's gradient, None without ``bias``). On the Triton launchers' tensors
+    bias_act's backward kernel masks the gradient and sums the bias's partial rows from the fp32
+    values as it goes (then column_sums): d_z is not read again for the bias, 25 MB a layer in a
+    BERT-base B32 L128 step. Elsewhere threshold_backward, then a sum over d_z."""
     if cpu_kernel(out):
-        d_z = _threshold_backward(grad_out, out, 0)
-        return d_z, (d_z.reshape(-1, d_z.shape[-1]).sum(0) if bias is not None else None)
-    d_z, d_bias = _bias_act_bwd_triton(grad_out, out, bias, "relu")
-    return d_z, (d_bias if bias is not None else None)
+        d_z, d_bias = _threshold_backward(grad_out, out, 0), None
+    else:
+        d_z, d_bias = _bias_act_bwd_triton(grad_out, out, bias, "relu")
+    if d_z.dim() != 2:
+        d_z = d_z.reshape(-1, out.shape[-1])
+    if bias is None:
+        return d_z, None
+    return d_z, d_z.sum(0) if d_bias is None else d_bias
 
 
 class _LinearReLU(torch.autograd.Function):
@@ -386,8 +390,6 @@ class _LinearReLU(torch.autograd.Function):
         x, weight, bias, out = ctx.saved_tensors
         need_x, need_weight, need_bias = ctx.needs_input_grad
         d_z, d_bias = _relu_bwd(grad_out, out, bias if need_bias else None)
-        if d_z.dim() != 2:
-            d_z = d_z.reshape(-1, out.shape[-1])
         return ((d_z @ weight).view(x.shape) if need_x else None,
                 d_z.t() @ x.reshape(-1, x.shape[-1]) if need_weight else None,
                 d_bias)
