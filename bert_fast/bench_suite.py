@@ -31,7 +31,9 @@ and every method on the same weights and dtype, in the same run:
   train shape: eager, compile (of model + loss), graphed (CUDA only: the reference's encoder
   under torch.cuda.make_graphed_callables, heads, loss and AdamW eager), optimize /
   optimize_skip_padding (the model after bert_fast.optimize(..., backend=...)), optimize_compile
-  (optimize(), backend auto, then model + loss compiled), optimize_graphed (CUDA only: optimize(),
+  (optimize(), backend auto, then model + loss compiled), optimize_compile_reduce_overhead (CUDA
+  only: the same with mode="reduce-overhead", forward and backward replayed as CUDA graphs, AdamW
+  eager), optimize_graphed (CUDA only: optimize(),
   backend auto, check_inputs off, the encoder graphed as the reference's), each with its own
   AdamW on its own weights.
 
@@ -195,6 +197,7 @@ HF_GRAPHS = "hf_optimize_cuda_graphs"    # and after optimize(..., cuda_graphs=T
 AUTO_GRAPHS = ("fast_cuda_graphs", "fast_skip_padding_cuda_graphs")
 LATENCY_ONLY = ("fast_compile_reduce_overhead", "fast_cuda_graph")
 TRAIN_GRAPHED = ("graphed", "optimize_graphed")     # the reference's encoder graphed, and ours
+TRAIN_REDUCE_OVERHEAD = "optimize_compile_reduce_overhead"
 
 
 def method_names(shape, backends):
@@ -203,7 +206,7 @@ def method_names(shape, backends):
     if shape.training:
         return ["eager", "compile", TRAIN_GRAPHED[0], *(name + suffix for suffix in suffixes
                                                         for name in ("optimize", "optimize_skip_padding")),
-                "optimize_compile", TRAIN_GRAPHED[1]]
+                "optimize_compile", TRAIN_REDUCE_OVERHEAD, TRAIN_GRAPHED[1]]
     names = [*INFERENCE_BASELINES, HF_OPTIMIZE, HF_GRAPHS, *(name + suffix for suffix in suffixes
                                      for name in ("fast", "fast_skip_padding")), *AUTO_GRAPHS]
     return names + list(LATENCY_ONLY if shape.name == "latency" else ())
@@ -464,13 +467,17 @@ def train_methods(base_model, dtype, device, options):
                 methods.append(unavailable(name, f"optimize failed: {failure_reason(error)}", ours=True))
                 continue
             methods.append(SuiteMethod(name, TrainStep(model, device), ours=True))
-    if options.compile:
-        # The step compiled with our registered ops inside (backend auto), model and loss in one graph.
-        methods.append(SuiteMethod("optimize_compile", TrainStep(optimize(copy_of_model()), device,
-                                                                 compile_mode="default"), ours=True))
-    else:
-        methods.append(unavailable("optimize_compile", "not asked (--no-compile; --quick leaves compile out "
-                                                       "unless --compile)", ours=True))
+    # The step compiled with our registered ops inside (backend auto), model and loss in one
+    # graph; with reduce-overhead its forward and backward graphs replay as CUDA graphs.
+    for name, mode in (("optimize_compile", "default"), (TRAIN_REDUCE_OVERHEAD, "reduce-overhead")):
+        if not options.compile:
+            methods.append(unavailable(name, "not asked (--no-compile; --quick leaves compile out unless "
+                                             "--compile)", ours=True))
+        elif mode == "reduce-overhead" and device.type != "cuda":
+            methods.append(unavailable(name, "CUDA only (reduce-overhead replays CUDA graphs)", ours=True))
+        else:
+            methods.append(SuiteMethod(name, TrainStep(optimize(copy_of_model()), device, compile_mode=mode),
+                                       ours=True))
     methods.append(graphed(TRAIN_GRAPHED[1], lambda: optimize(copy_of_model()), ours=True))
     return methods
 
