@@ -24,7 +24,7 @@
 # (538 passed, in test_ext_cuda.py). On an H100 that day: build 50 s, suite-base 109 s, profile
 # 15 s, attention-tiles 10 s, small-m-gemm 36 s, tests-gpu 83-89 s (8 workers, to the end),
 # kernels-small 20 s, profile-train 16 s, ncu-small 11 s. `tests` (the whole suite), `sanitize`,
-# `layernorm-tiles` and `profile-graph-call` have not run on a GPU.
+# `layernorm-tiles`, `profile-graph-call` and `profile-train-step` have not run on a GPU.
 # A machine held idle for 30 s is given back and the next call starts a bare one (build again).
 #
 # STEP_TIMEOUT=S interrupts each step after S seconds (SIGINT: pytest prints what ran, and the
@@ -155,6 +155,10 @@ for step in "$@"; do
     profile-train)
         # The kernels of a training step's forward+backward (B32 L128, dropout 0.1), per backend.
         run profile-train env PYTHONPATH=. python scripts/profile_kernels.py --train --backends auto triton torch ;;
+    profile-train-step)
+        # A whole pretraining step (MLM + NSP heads, fused AdamW), reference and optimize(): wall
+        # time against kernel time, and the vocabulary-sized ops' and the optimizer's shares.
+        run profile-train-step env PYTHONPATH=. python scripts/profile_train_step.py ;;
     kernels-small)
         # The memory-bound ops at a batch-1 forward's 128 rows up to 8192, each row with its
         # kernels (profiler): where the extension's forward kernels lose ~1.5 us to Triton's at
@@ -199,7 +203,7 @@ for step in "$@"; do
             --matrix-preset base --matrix-dtype bfloat16 -k "not max_autotune" \
             --matrix-record "$results/$stamp-matrix.json" --benchmark-json "$results/$stamp-matrix-benchmark.json" ;;
     *)
-        echo "unknown step '$step' (install build tests tests-gpu sanitize kernels kernels-small ncu-small attention-tiles layernorm-tiles small-m-gemm profile profile-graph-call profile-train host host-skip-padding suite-base suite-base-fp16 suite-large" \
+        echo "unknown step '$step' (install build tests tests-gpu sanitize kernels kernels-small ncu-small attention-tiles layernorm-tiles small-m-gemm profile profile-graph-call profile-train profile-train-step host host-skip-padding suite-base suite-base-fp16 suite-large" \
              "suite-train matrix)" >&2
         failures=$((failures + 1)) ;;
     esac

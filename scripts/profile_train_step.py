@@ -1,0 +1,97 @@
+"""Where a whole pretraining step's GPU time goes, and how much of the step's wall time it is:
+
+  python scripts/profile_train_step.py [--preset base] [--dtype bfloat16] [--steps 5]
+
+The suite's train shape (BERTModel with the MLM and NSP heads, B32 L128, its batch and fused
+AdamW, dropout 0.1, bf16): the eager reference and the model after bert_fast.optimize() (backend
+auto). Per step: the wall time (host timer, synchronised), the kernels' time, and the kernels
+split by the operator that launched them: the vocabulary-sized ops (an input with a dimension
+of vocab_size: the MLM head's projection to the vocabulary and its cross-entropy, forward and
+backward), the optimizer (AdamW's fused kernels), and the rest (the encoder, the heads' small
+layers, the NSP head). For issue 13's item 4 (the MLM head's share) and for how far the eager
+step is from its kernels (host-bound where the wall time is well above the kernels' sum).
+
+A GPU tool for scripts/gpu_session.sh's `profile-train-step`; with --device cpu (a smoke test)
+the operators' CPU time stands in for the kernels'.
+"""
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bert_fast import optimize
+from bert_fast.bench_suite import SHAPES, TrainStep, bert_model_config, make_train_batch, quick_shape
+from bert_fast.reference import BERTModel
+
+
+def classify(event, vocab_size):
+    """Which part of the step an operator belongs to."""
+    if "adam" in event.name.lower():
+        return "optimizer"
+    if any(vocab_size in shape for shape in (event.input_shapes or []) if isinstance(shape, (list, tuple))):
+        return "vocab-sized ops"
+    return "encoder and the rest"
+
+
+def profile_step(step, batch, steps, device, vocab_size):
+    """(wall ms a step, {part: ms a step}) over ``steps`` profiled steps."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    walls = []
+    with profile(activities=activities, record_shapes=True) as prof:
+        for _ in range(steps):
+            sync()
+            start = time.perf_counter()
+            step(*batch)
+            sync()
+            walls.append(1e3 * (time.perf_counter() - start))
+    parts = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        # Kernels an operator launched itself (not its children's): each kernel counted once.
+        us = event.self_device_time_total if device.type == "cuda" else event.self_cpu_time_total
+        if us:
+            part = classify(event, vocab_size)
+            parts[part] = parts.get(part, 0.0) + us / 1e3 / steps
+    return statistics.median(walls), parts
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="base")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="the suite's quick train shape (smoke tests)")
+    options = parser.parse_args()
+    device, dtype = torch.device(options.device), getattr(torch, options.dtype)
+    shape = quick_shape(SHAPES["train"]) if options.quick else SHAPES["train"]
+    config = bert_model_config(options.preset)
+    torch.manual_seed(0)
+    base = BERTModel(**config)
+    batch = make_train_batch(shape, config["vocab_size"], 0, device)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"{name}, torch {torch.__version__}; {options.preset} {options.dtype}, a pretraining step "
+          f"(MLM + NSP, fused AdamW where CUDA, dropout 0.1), B{shape.batch} L{shape.seq}, {options.steps} "
+          f"profiled steps after 3; device time by the operator that launched it")
+    for method, build in (("eager reference", lambda m: m), ("optimize() (auto)", optimize)):
+        model = build(copy.deepcopy(base).to(device=device, dtype=dtype)).train()
+        step = TrainStep(model, device)
+        for _ in range(3):
+            step(*batch)
+        wall, parts = profile_step(step, batch, options.steps, device, config["vocab_size"])
+        total = sum(parts.values())
+        print(f"\n## {method}: wall {wall:.2f} ms a step, kernels {total:.2f} ms ({100 * total / wall:.0f}% of wall)")
+        print("| part | ms a step | share of kernels |\n|---|---|---|")
+        for part, ms in sorted(parts.items(), key=lambda item: -item[1]):
+            print(f"| {part} | {ms:.3f} | {100 * ms / total:.1f}% |")
+        del model, step
+
+
+if __name__ == "__main__":
+    main()
