@@ -8,6 +8,8 @@
 #   bash scripts/gpu_session.sh build profile      # the kernels of one forward, graph replay time
 #   bash scripts/gpu_session.sh build profile-train kernels-small   # a training step's kernels;
 #                                                  # the memory-bound ops' kernels at 128-8192 rows
+#   bash scripts/gpu_session.sh profile-train-step # a whole pretraining step: wall vs kernels,
+#                                                  # the MLM head's and AdamW's shares
 #   PACK=1 bash scripts/gpu_session.sh build attention-tiles layernorm-tiles ncu-small small-m-gemm
 #                                                  # experiments: attention tiles, Triton LayerNorm
 #                                                  # backward shapes, few-row kernels, small-M GEMMs
