@@ -10,7 +10,7 @@ ptxas gives it 108 registers, so 2 programs are resident per SM. Each candidate 
 ROWS_PER_PROGRAM, num_warps and programs per SM; one row a program makes the column sums of
 d_weight / d_bias within each thread (no reduction across the tile's rows).
 
-GPU time per call of the whole backward (kernel, the partial rows' sum, the casts) from
+GPU time per call of the whole backward (the kernel, then column_sums over its partial rows) from
 CUDA-graph replays (kernel_bench's timing), bf16, with and without dropout; GB/s on the bytes
 it must move (grad, x, residual read, d_residual written; d_x too with dropout); the largest
 difference from the current shape's gradients. A GPU tool for scripts/gpu_session.sh's
