@@ -110,6 +110,7 @@ for step in "$@"; do
             tests/test_bias_act_triton.py::test_gpu_linear_act_and_compile_match_torch_backend \
             tests/test_column_sums.py tests/test_encoder_layer.py::test_fused_layer_matches_the_torch_backend \
             tests/test_encoder_layer.py::test_gpu_fused_layer_matches_the_per_op_path \
+            tests/test_loss_curve.py::test_gpu_bert_base_under_autocast_tracks_the_fp32_curve_as_the_reference_does \
             tests/test_encoder_layer.py::test_gpu_fused_layer_on_packed_tokens_matches_the_per_op_path \
             tests/test_embedding_triton.py::test_gpu_deterministic_backward_is_bitwise_repeatable \
             tests/test_embedding_triton.py::test_gpu_public_function_and_compile_match_torch_backend \
