@@ -380,11 +380,11 @@ def test_fused_layer_matches_the_torch_backend(backend, valid_lens, activation):
     plain = make_block("torch", use_bias=True, activation=activation, device=device)
     plain.load_state_dict(block.state_dict())
     x, grad_out = inputs(device)
+    valid_lens = None if valid_lens is None else valid_lens.to(device)
     with contextlib.nullcontext() if device == "cuda" else kernels_on_cpu():
-        key_mask = ops.prepare_key_mask(None if valid_lens is None else valid_lens.to(device), L, backend)
-        fused = run(block, x, key_mask, grad_out)
+        fused = run(block, x, ops.prepare_key_mask(valid_lens, L, backend), grad_out)
     assert type(fused[1]).__name__ == "_EncoderLayerBackward", "the fused node was not used"
-    reference = run(plain, x, None if valid_lens is None else valid_lens.to(device), grad_out)
+    reference = run(plain, x, valid_lens, grad_out)
     assert_same(fused, reference, atol=1e-4)
 
 

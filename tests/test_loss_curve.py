@@ -6,9 +6,10 @@ on every backend. Dropout is 0 so both runs are deterministic and comparable ste
 fast path's forward and backward differ from the reference's only by rounding (fp32), which
 training may amplify but must not turn into a different curve.
 
-On a GPU the same at BERT-base in bf16 (the suite's train batch, B32 L128), where rounding is
-no longer small: the fast path's curve must stay as close to the fp32 reference's as the bf16
-reference's does (STYLE.md's rule: at most twice its distance, plus bf16's floor).
+On a GPU the same at BERT-base under bf16 autocast (the suite's train batch, B32 L128), where
+rounding is no longer small: the fast path's curve must stay as close to the fp32 reference's
+as the reference's own under the same autocast (STYLE.md's rule: at most twice its distance,
+plus bf16's floor).
 """
 
 import copy
