@@ -4,11 +4,13 @@
 
 On an H100 (2026-11-26) the backward took 68.8 µs a call in a B32 L128 training step and
 128.8 µs at 8192x768 against the extension's 23.9 and 27.1: a fifth of the bandwidth. Its
-launch shape (bert_fast/ops/add_layernorm.py) was chosen without a GPU: at H = 768 a program
-holds 2 rows of a 1024-wide tile on 8 warps, 4 programs per SM stride over the rows, and
-ptxas gives it 108 registers, so 2 programs are resident per SM. Each candidate here is
-ROWS_PER_PROGRAM, num_warps and programs per SM; one row a program makes the column sums of
-d_weight / d_bias within each thread (no reduction across the tile's rows).
+launch shape was then the forward's, chosen without a GPU: at H = 768 a program held 2 rows of
+a 1024-wide tile on 8 warps (108 registers, so 2 programs resident per SM), 4 programs per SM
+striding over the rows. This script's first run (the record
+benchmarks/results/nvidia-h100-80gb-hbm3-2026-11-26T1517-layernorm-tiles.log) found the same
+tile on 4 warps 4-5x faster (11.3 µs at 4096 rows, 25.0 at 8192; 96 registers, every program
+resident), now the backward's shape (add_layernorm._layernorm_bwd_blocks). Each candidate
+here is ROWS_PER_PROGRAM, num_warps and programs per SM, the current shape first.
 
 GPU time per call of the whole backward (the kernel, then column_sums over its partial rows) from
 CUDA-graph replays (kernel_bench's timing), bf16, with and without dropout; GB/s on the bytes
@@ -30,7 +32,7 @@ from bert_fast.ops import _triton
 
 add_layernorm_op = importlib.import_module("bert_fast.ops.add_layernorm")   # the module, not the function
 
-CANDIDATES = ["2,8,4", "1,4,4", "1,4,8", "1,8,4", "2,4,4", "4,8,4", "2,8,2"]
+CANDIDATES = ["2,4,4", "2,8,4", "1,4,4", "1,2,4", "2,4,8", "2,4,2", "1,4,8"]
 
 
 def parse_tiles(text):
@@ -46,7 +48,7 @@ class launch_shape:
         self.tiles = tiles
 
     def __enter__(self):
-        self.saved = add_layernorm_op._layernorm_blocks, add_layernorm_op.reduction_programs
+        self.saved = add_layernorm_op._layernorm_bwd_blocks, add_layernorm_op.reduction_programs
         if self.tiles is not None:
             rows_per_program, num_warps, programs_per_sm = self.tiles
 
@@ -58,10 +60,10 @@ class launch_shape:
                 sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
                 return max(1, min(num_row_blocks, per_sm * sms))
 
-            add_layernorm_op._layernorm_blocks, add_layernorm_op.reduction_programs = blocks, programs
+            add_layernorm_op._layernorm_bwd_blocks, add_layernorm_op.reduction_programs = blocks, programs
 
     def __exit__(self, *exc):
-        add_layernorm_op._layernorm_blocks, add_layernorm_op.reduction_programs = self.saved
+        add_layernorm_op._layernorm_bwd_blocks, add_layernorm_op.reduction_programs = self.saved
 
 
 def backward_call(rows, hidden, dropout_p, device, dtype=torch.bfloat16):
@@ -99,7 +101,7 @@ def main():
     options = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     row_counts = options.rows or ([128, 4096, 8192] if device.type == "cuda" else [20])
-    current = add_layernorm_op._layernorm_blocks(options.hidden)
+    current = add_layernorm_op._layernorm_bwd_blocks(options.hidden)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (Triton interpreter: a smoke test)"
     print(f"{name}, torch {torch.__version__}; Triton add_layernorm backward, H {options.hidden}, bf16; "
           f"current shape: {current[1]} rows a program, {current[2]} warps, 4 programs per SM")

@@ -6,7 +6,7 @@ import torch
 from torch.nn import functional as F
 
 from bert_fast.ops.add_layernorm import (MAX_HIDDEN, _add_layernorm_bwd_triton, _add_layernorm_fwd_triton,
-                                         _layernorm_blocks, add_layernorm, add_layernorm_bwd,
+                                         _layernorm_blocks, _layernorm_bwd_blocks, add_layernorm, add_layernorm_bwd,
                                          add_layernorm_fwd)
 from tests.helpers import (assert_close, assert_within_rule, BF16_OK, DEVICE, seed_tensor,
                            max_err, needs_cuda, needs_kernels)
@@ -62,10 +62,21 @@ def check_kernels_against_torch(shape, dtype, affine, device=DEVICE):
 
 def check_x_bias_gradient(args, grads, ref_d_x, same_d_x):
     """x_bias=True: the same four gradients, and a fifth, the column sum of d_x (the gradient of
-    a bias added to x), within the rule of PyTorch's sum of its own d_x."""
+    a bias added to x), within the rule of PyTorch's sum of its own d_x.
+
+    The same bit for bit in the interpreter. Compiled, the x_bias kernel is another kernel, and
+    Triton's default fp fusion may contract its multiply-adds into FMAs differently: on an H100
+    (2026-11-26, under compute-sanitizer) d_weight at (2, 3, 1000) fp32 differed in its last
+    bits. There, the same within 4 units in the last place of the largest value."""
     *same_four, d_x_bias = _add_layernorm_bwd_triton(*args, x_bias=True)
     for a, b, name in zip(same_four, grads, ("d_residual", "d_x", "d_weight", "d_bias")):
-        assert (a is None and b is None) or torch.equal(a, b), f"{name} changed with x_bias"
+        assert (a is None) == (b is None), f"{name}: None with x_bias={a is None}, without={b is None}"
+        if a is None:
+            continue
+        if a.device.type == "cpu":
+            assert torch.equal(a, b), f"{name} changed with x_bias"
+        else:
+            assert_close(a, b, atol=4 * torch.finfo(b.dtype).eps * b.abs().max().item(), what=f"{name} with x_bias")
     hidden = ref_d_x.shape[-1]
     assert_within_rule(d_x_bias, ref_d_x.reshape(-1, hidden).sum(0), same_d_x.reshape(-1, hidden).sum(0), "d_x_bias")
 
@@ -99,6 +110,11 @@ def test_rows_per_program_depends_on_hidden():
     assert _layernorm_blocks(96) == (128, 16, 8)
     assert _layernorm_blocks(768) == (1024, 2, 8)
     assert _layernorm_blocks(MAX_HIDDEN) == (MAX_HIDDEN, 1, 32)
+    # The backward: the same tile on half the warps (16 values a thread), at least 4.
+    assert _layernorm_bwd_blocks(96) == (128, 16, 4)
+    assert _layernorm_bwd_blocks(768) == (1024, 2, 4)
+    assert _layernorm_bwd_blocks(4096) == (4096, 1, 8)
+    assert _layernorm_bwd_blocks(MAX_HIDDEN) == (MAX_HIDDEN, 1, 16)
 
 
 @needs_kernels

@@ -22,8 +22,9 @@ Triton layout: each program normalises ROWS_PER_PROGRAM rows held as one
 (ROWS_PER_PROGRAM, BLOCK_H) tile, BLOCK_H = next power of two >= H with the tail masked.
 At H = 768 one row is only 1.5 KB in fp16; a tile of several rows keeps more bytes in flight
 per program and loads weight/bias once for all of them. Registers bound the tile size (see
-_layernorm_blocks); the compiler decides how the warps split the tile. The backward runs a
-fixed number of programs (4 per SM) that stride over the row tiles, each accumulating its
+_layernorm_blocks); the compiler decides how the warps split the tile. The backward holds
+the same tile on half the warps (_layernorm_bwd_blocks: measured 4-5x faster on an H100) and
+runs a fixed number of programs (4 per SM) that stride over the row tiles, each accumulating its
 d_weight/d_bias contribution in fp32 registers and writing one row of a (programs, H) fp32
 buffer; the second stage is ops.column_sums, which sums the buffer's few hundred rows (~1.6 MB
 at H = 768 on 132 SMs) and casts the sums to the gradients' dtype in one launch (PyTorch's
@@ -184,6 +185,20 @@ def _layernorm_blocks(hidden):
     return block_h, rows_per_program, num_warps
 
 
+def _layernorm_bwd_blocks(hidden):
+    """(BLOCK_H, ROWS_PER_PROGRAM, num_warps) for the backward: the forward's tile, on half the
+    warps (16 fp32 values a thread instead of 8).
+
+    Measured on an H100 (scripts/layernorm_bwd_tiles.py, 2026-11-26, H 768 bf16; the record
+    benchmarks/results/nvidia-h100-80gb-hbm3-2026-11-26T1517-layernorm-tiles.log): 2 rows on 4
+    warps took 11.3 µs at 4096 rows and 25.0 at 8192 against 59.2 and 132.1 on the forward's 8
+    warps (47.4 against 111.4 with dropout), with the same gradients bit for bit; it was the
+    fastest of the 7 shapes at every size but 128 rows with dropout (5.1 µs against 4.6).
+    """
+    block_h, rows_per_program, _ = _layernorm_blocks(hidden)
+    return block_h, rows_per_program, max(4, min(32, block_h * rows_per_program // 512))
+
+
 def _keep_scale(dropout_p):
     return 1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0
 
@@ -270,7 +285,7 @@ def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, d
     x2, x_stride, _ = rows(x, hidden)
     residual2, residual_stride, _ = rows(residual, hidden)
     has_dropout = dropout_p > 0.0
-    block_h, rows_per_program, num_warps = _layernorm_blocks(hidden)
+    block_h, rows_per_program, num_warps = _layernorm_bwd_blocks(hidden)
     programs = reduction_programs(x.device, cdiv(n_rows, rows_per_program))
     new = lambda shape, dtype=x.dtype: torch.empty(shape, dtype=dtype, device=x.device)
     d_residual = new(x.shape)
