@@ -115,7 +115,12 @@ def _bias_act_bwd_kernel(grad_out_ptr, saved_ptr, bias_ptr, d_h_ptr, d_bias_part
     col_in = cols < n_cols
     if HAS_BIAS and ACTIVATION != "relu":
         bias = tl.load(bias_ptr + cols, mask=col_in, other=0.0).to(tl.float32)
-    d_bias_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # d_bias accumulates in a tile of the tile's shape, summed over its rows once after the loop:
+    # the warps hold different rows, so a sum over rows inside the loop went through shared
+    # memory and two barriers every iteration (the compiled TTGIR's tt.reduce in the loop), and
+    # the kernel ran at a fifth of its forward's bandwidth on an H100 (229 µs at 8192x3072 bf16
+    # against 33; benchmarks/results/nvidia-h100-80gb-hbm3-2026-11-26T1517-kernels-small.log).
+    d_bias_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for first_row in range(row_program * BLOCK_M, n_rows, tl.num_programs(0) * BLOCK_M):
         rows = first_row + tl.arange(0, BLOCK_M)
         mask = (rows < n_rows)[:, None] & col_in[None, :]
@@ -132,9 +137,9 @@ def _bias_act_bwd_kernel(grad_out_ptr, saved_ptr, bias_ptr, d_h_ptr, d_bias_part
             d_z = dy * _gelu_grad(saved, ACTIVATION)
         tl.store(d_h_ptr + rows64 * n_cols + cols[None, :], d_z.to(d_h_ptr.dtype.element_ty), mask=mask)
         if HAS_BIAS:
-            d_bias_acc += tl.sum(d_z, axis=0)
+            d_bias_acc += d_z          # masked elements are 0: loaded as 0, and where() keeps 0
     if HAS_BIAS:
-        tl.store(d_bias_partial_ptr + row_program * n_cols + cols, d_bias_acc, mask=col_in)
+        tl.store(d_bias_partial_ptr + row_program * n_cols + cols, tl.sum(d_bias_acc, axis=0), mask=col_in)
 
 
 def _bias_act_blocks(n_cols):
