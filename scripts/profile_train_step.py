@@ -9,7 +9,9 @@ split by the operator that launched them: the vocabulary-sized ops (an input wit
 of vocab_size: the MLM head's projection to the vocabulary and its cross-entropy, forward and
 backward), the optimizer (AdamW's fused kernels), and the rest (the encoder, the heads' small
 layers, the NSP head). For issue 13's item 4 (the MLM head's share) and for how far the eager
-step is from its kernels (host-bound where the wall time is well above the kernels' sum).
+step is from its kernels (host-bound where the wall time is well above the kernels' sum). Then,
+without the profiler, the host's time in each phase of the step (zero_grad, forward and loss,
+backward, optimizer step) and the GPU's wait after it: which phase to cut where host-bound.
 
 A GPU tool for scripts/gpu_session.sh's `profile-train-step`; with --device cpu (a smoke test)
 the operators' CPU time stands in for the kernels'.
@@ -65,6 +67,31 @@ def profile_step(step, batch, steps, device, vocab_size):
     return statistics.median(walls), parts
 
 
+def host_phases(step, batch, steps, device):
+    """{phase: median host ms a step} for unprofiled steps, the TrainStep's own phases timed
+    without synchronising between them: what the host spends issuing each (the time it blocks
+    on a full launch queue included), then "wait", how long the GPU still ran after the host
+    had issued the step (near 0: host-bound; the host's phases are then the step's time)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = {phase: [] for phase in ("zero_grad", "forward+loss", "backward", "optimizer step", "wait", "wall")}
+    for _ in range(steps):
+        sync()
+        t0 = time.perf_counter()
+        step.optimizer.zero_grad(set_to_none=True)
+        t1 = time.perf_counter()
+        loss = step.loss(*batch)
+        t2 = time.perf_counter()
+        loss.backward()
+        t3 = time.perf_counter()
+        step.optimizer.step()
+        t4 = time.perf_counter()
+        sync()
+        t5 = time.perf_counter()
+        for phase, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0)):
+            times[phase].append(1e3 * seconds)
+    return {phase: statistics.median(values) for phase, values in times.items()}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="base")
@@ -94,6 +121,9 @@ def main():
         print("| part | ms a step | share of kernels |\n|---|---|---|")
         for part, ms in sorted(parts.items(), key=lambda item: -item[1]):
             print(f"| {part} | {ms:.3f} | {100 * ms / total:.1f}% |")
+        phases = host_phases(step, batch, max(options.steps, 10), device)
+        print(f"\nThe host's phases, unprofiled (median of {max(options.steps, 10)} steps): "
+              + ", ".join(f"{phase} {ms:.2f} ms" for phase, ms in phases.items()))
         del model, step
 
 
