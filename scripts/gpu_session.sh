@@ -10,9 +10,9 @@
 #                                                  # the memory-bound ops' kernels at 128-8192 rows
 #   bash scripts/gpu_session.sh profile-train-step # a whole pretraining step: wall vs kernels,
 #                                                  # the MLM head's and AdamW's shares
-#   PACK=1 bash scripts/gpu_session.sh build attention-tiles layernorm-tiles ncu-small small-m-gemm
-#                                                  # experiments: attention tiles, Triton LayerNorm
-#                                                  # backward shapes, few-row kernels, small-M GEMMs
+#   PACK=1 bash scripts/gpu_session.sh build attention-tiles layernorm-tiles bias-act-tiles ncu-small small-m-gemm
+#                                                  # experiments: attention tiles, Triton LayerNorm and
+#                                                  # bias_act backward shapes, few-row kernels, small-M GEMMs
 #   bash scripts/gpu_session.sh suite-base suite-train host   # the matrix (BERT-base bf16), a
 #                                                  # training step, host time per forward
 #   bash scripts/gpu_session.sh suite-base-fp16 suite-large host-skip-padding
@@ -25,8 +25,12 @@
 # Later that day: profile under a minute (3 shapes x auto, triton); tests-gpu cut at 150 s
 # (538 passed, in test_ext_cuda.py). On an H100 that day: build 50 s, suite-base 109 s, profile
 # 15 s, attention-tiles 10 s, small-m-gemm 36 s, tests-gpu 83-89 s (8 workers, to the end),
-# kernels-small 20 s, profile-train 16 s, ncu-small 11 s. `tests` (the whole suite), `sanitize`,
-# `layernorm-tiles`, `profile-graph-call` and `profile-train-step` have not run on a GPU.
+# kernels-small 20 s, profile-train 16 s, ncu-small 11 s. On an H100 later that day (16 cores): tests-gpu
+# 98 s (840 tests), suite-base 108 s, layernorm-tiles 9 s, profile-graph-call 11 s, profile-train
+# 23 s, profile-train-step 18 s, kernels-small 21 s; suite-train cut at 230 s cold, still
+# compiling (SUITE_ARGS=--no-compile leaves the compiled rows out, the graphed ones in);
+# sanitize's first two steps ~45 s each, the third stopped at a failure after 48 s. `tests`
+# (the whole suite), `sanitize` to its end and `bias-act-tiles` have not run on a GPU.
 # A machine held idle for 30 s is given back and the next call starts a bare one (build again).
 #
 # STEP_TIMEOUT=S interrupts each step after S seconds (SIGINT: pytest prints what ran, and the
@@ -178,6 +182,11 @@ for step in "$@"; do
         # under candidate launch shapes, at 128, 4096 and 8192 rows of 768, with and without
         # dropout. The candidates compile for sm_90 without spills (kernel_resources, triton 3.9).
         run layernorm-tiles env PYTHONPATH=. python scripts/layernorm_bwd_tiles.py ;;
+    bias-act-tiles)
+        # Triton's bias_act backward (117 µs a call in the H100's training step, a fifth of its
+        # forward's bandwidth; its reduction changed since) under candidate launch shapes, at
+        # 4096 and 8192 rows of 3072, ReLU and GELU. The candidates compile for sm_90 without spills.
+        run bias-act-tiles env PYTHONPATH=. python scripts/bias_act_bwd_tiles.py ;;
     small-m-gemm)
         # A BERT-base layer's GEMMs at 128 rows: cuBLAS against Inductor's max-autotune choice
         # (Triton templates): whether a Triton GEMM could cut the B1 L128 graph's GEMM time.
@@ -206,7 +215,7 @@ for step in "$@"; do
             --matrix-preset base --matrix-dtype bfloat16 -k "not max_autotune" \
             --matrix-record "$results/$stamp-matrix.json" --benchmark-json "$results/$stamp-matrix-benchmark.json" ;;
     *)
-        echo "unknown step '$step' (install build tests tests-gpu sanitize kernels kernels-small ncu-small attention-tiles layernorm-tiles small-m-gemm profile profile-graph-call profile-train profile-train-step host host-skip-padding suite-base suite-base-fp16 suite-large" \
+        echo "unknown step '$step' (install build tests tests-gpu sanitize kernels kernels-small ncu-small attention-tiles layernorm-tiles bias-act-tiles small-m-gemm profile profile-graph-call profile-train profile-train-step host host-skip-padding suite-base suite-base-fp16 suite-large" \
              "suite-train matrix)" >&2
         failures=$((failures + 1)) ;;
     esac
