@@ -1,6 +1,7 @@
-"""Which forward tiles make the attention kernel fastest on this GPU, per suite shape:
+"""Which tiles make the attention kernels fastest on this GPU, per suite shape:
 
   python scripts/attention_tiles.py [--shapes latency dense long] [--tiles 128,64,8,3 64,128,4,2 ...]
+  python scripts/attention_tiles.py --backward [--shapes train long]
 
 The forward tiles (BLOCK_M, BLOCK_N, warps, stages) of bert_fast/ops/attention.py were chosen
 without a GPU (no spills, shared memory within sm_86's). For head dim 64 in bf16, the BERT-base
@@ -10,6 +11,17 @@ long shape also varlen (skip_padding's path). GPU time per call from CUDA-graph 
 (kernel_bench's timing), TFLOP/s on the work the kernel does (every key of the padded L, or
 the sum of squared lengths), and the largest difference from the current tiles' output. A
 GPU-only tool for scripts/gpu_session.sh's `attention-tiles` step; it changes nothing.
+
+--backward times the backward instead (padded, key mask; the dK/dV kernel and the dQ kernel
+of one call): on an H100 (2026-11-26, a B32 L128 training step's profile,
+benchmarks/results/nvidia-h100-80gb-hbm3-2026-11-26T1517-profile-train.log) the two took 50.3 and
+48.7 µs a layer, where cuDNN's flash backward (the torch backend's SDPA) took 34.4 for both.
+The current dK/dV tiles (32, 128) on 8 warps take 172 registers a thread (ptxas, sm_90), so
+one program is resident per SM: at B32 L128 its 384 programs run in three waves of 132; the
+candidates take 128-210 (2-4 resident where under ~130 at 8 warps or ~170 at 4). First the
+dK/dV kernel's candidates with the dQ kernel's tiles as they are, then the dQ kernel's; TFLOP/s
+on the backward's 2.5x the forward's work. The candidates compile for sm_90 without spills
+(kernel_resources, triton 3.9).
 """
 
 import argparse
@@ -25,6 +37,10 @@ from bert_fast.ops import attention
 HEADS, HEAD_DIM, DTYPE = 12, 64, torch.bfloat16
 KEY = (HEAD_DIM, 2)          # attention._GPU_TILES' key for head dim 64, 2-byte elements
 CANDIDATES = ["128,64,8,3", "128,128,8,2", "128,64,4,3", "64,64,4,3", "64,128,4,2", "64,32,4,3", "128,32,8,3"]
+# The backward's: the current tiles first. dK/dV: BLOCK_M queries a step over BLOCK_N keys a
+# program; dQ: BLOCK_M queries a program, BLOCK_N keys a step.
+DKDV_CANDIDATES = ["32,128,8,2", "32,64,8,2", "16,64,4,2", "32,64,4,2", "16,128,8,2", "64,64,8,2", "32,32,4,2"]
+DQ_CANDIDATES = ["128,32,8,2", "128,64,8,2", "64,64,4,2", "64,32,4,2", "128,16,4,2", "64,128,8,2", "128,32,8,3"]
 
 
 def parse_tiles(text):
@@ -52,12 +68,57 @@ def cases(shape, device):
     return found
 
 
+def backward_case(shape, device):
+    """The padded backward of the shape (key mask): a closure and its TFLOP."""
+    tokens, _, valid_lens = make_inputs(shape.batch, shape.seq, shape.min_len_frac, 30522, 0, device)
+    batch, seqlen = tokens.shape
+    qkv = torch.randn(batch, seqlen, 3 * HEADS * HEAD_DIM, device=device, dtype=DTYPE)
+    out, lse = attention._attention_fwd_triton(qkv, valid_lens, HEADS, 0.0, None)
+    grad = torch.randn_like(out)
+    tflop = 2.5 * 4 * batch * HEADS * seqlen**2 * HEAD_DIM / 1e12
+    return (lambda: attention._attention_bwd_triton(grad, qkv, out, lse, valid_lens, HEADS, 0.0, None)), tflop
+
+
+def time_backward(options, device):
+    current = attention._GPU_TILES[KEY]
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; attention backward, {HEADS} heads x "
+          f"{HEAD_DIM}, bf16; current tiles dK/dV {','.join(map(str, current[1]))}, dQ {','.join(map(str, current[2]))}")
+    for shape_name in options.shapes:
+        shape = SHAPES[shape_name]
+        backward, tflop = backward_case(shape, device)
+        with torch.inference_mode():
+            expected = backward()
+            for index, kernel, candidates in ((1, "dK/dV", DKDV_CANDIDATES), (2, "dQ", DQ_CANDIDATES)):
+                print(f"\n## {shape_name} B{shape.batch} L{shape.seq}, padded, key mask: the {kernel} kernel's tiles\n"
+                      "| tiles | µs / call (both kernels) | TFLOP/s | max diff vs current |\n|---|---|---|---|")
+                for text in candidates:
+                    tiles = list(current)
+                    tiles[index] = parse_tiles(text)
+                    attention._GPU_TILES[KEY] = tuple(tiles)
+                    try:
+                        diff = (backward().float() - expected.float()).abs().max().item()
+                        ms = statistics.median(_graph_ms(backward, 20, 10))
+                    except Exception as error:       # a tile that does not compile or fit: say so
+                        print(f"| {text} | failed: {type(error).__name__}: {str(error)[:120]} | | |")
+                        continue
+                    finally:
+                        attention._GPU_TILES[KEY] = current
+                    print(f"| {text} | {ms * 1e3:.1f} | {tflop / (ms / 1e3):.0f} | {diff:.2g} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=["latency", "dense", "long"])
+    parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=None,
+                        help="default latency dense long; with --backward, train long")
     parser.add_argument("--tiles", nargs="+", default=CANDIDATES, help="BLOCK_M,BLOCK_N,warps,stages")
+    parser.add_argument("--backward", action="store_true", help="the backward's two kernels instead")
     options = parser.parse_args()
     device = torch.device("cuda")
+    if options.backward:
+        options.shapes = options.shapes or ["train", "long"]
+        time_backward(options, device)
+        return
+    options.shapes = options.shapes or ["latency", "dense", "long"]
     current = attention._GPU_TILES[KEY]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; attention forward, {HEADS} heads x "
           f"{HEAD_DIM}, bf16; current tiles {','.join(map(str, current[0]))}")
