@@ -138,15 +138,20 @@ for step in "$@"; do
         # dropout), and the Triton kernels' own tests (padded and varlen attention, dropout,
         # every op, forward and backward; not opcheck/gradcheck/compile, which rerun the same
         # kernels many times). PyTorch's caching allocator hands out slices of larger blocks, so
-        # an overrun inside a block is invisible to memcheck: caching is off here.
+        # an overrun inside a block is invisible to memcheck: caching is off here. The pytest
+        # workers (xdist, where installed) are child processes, which --target-processes all
+        # instruments too: one process ran ~1.5 tests a second under memcheck on the H100
+        # (2026-11-26), and the Triton selection is ~390 tests.
+        parallel=()
+        python -c "import xdist" 2>/dev/null && parallel=(-n "${GPU_TEST_WORKERS:-8}")
         for tool in memcheck racecheck; do
             run "sanitize-ext-$tool" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
                 compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 99 \
-                python -m pytest -q -x -p no:cacheprovider tests/test_ext_cuda.py \
+                python -m pytest -q -x -p no:cacheprovider "${parallel[@]}" tests/test_ext_cuda.py \
                 -k "768 or 4096 or misaligned or dropout or empty"
             run "sanitize-triton-$tool" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
                 compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 99 \
-                python -m pytest -q -x -p no:cacheprovider tests/test_attention_triton.py \
+                python -m pytest -q -x -p no:cacheprovider "${parallel[@]}" tests/test_attention_triton.py \
                 tests/test_add_layernorm_triton.py tests/test_embedding_triton.py tests/test_bias_act_triton.py \
                 tests/test_column_sums.py tests/test_id_guards.py tests/test_graph_inputs.py -k "not opcheck and not gradcheck and not compile"
         done ;;
