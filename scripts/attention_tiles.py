@@ -68,6 +68,21 @@ def cases(shape, device):
     return found
 
 
+def print_row(text, tiles, call, expected, tflop):
+    """One table row: ``call`` with the head dim's tiles set to ``tiles`` (then restored)."""
+    current = attention._GPU_TILES[KEY]
+    attention._GPU_TILES[KEY] = tiles
+    try:
+        diff = (call().float() - expected.float()).abs().max().item()
+        ms = statistics.median(_graph_ms(call, 20, 10))
+    except Exception as error:       # a tile that does not compile or fit: say so
+        print(f"| {text} | failed: {type(error).__name__}: {str(error)[:120]} | | |")
+        return
+    finally:
+        attention._GPU_TILES[KEY] = current
+    print(f"| {text} | {ms * 1e3:.1f} | {tflop / (ms / 1e3):.0f} | {diff:.2g} |")
+
+
 def backward_case(shape, device):
     """The padded backward of the shape (key mask): a closure and its TFLOP."""
     tokens, _, valid_lens = make_inputs(shape.batch, shape.seq, shape.min_len_frac, 30522, 0, device)
@@ -94,16 +109,7 @@ def time_backward(options, device):
                 for text in candidates:
                     tiles = list(current)
                     tiles[index] = parse_tiles(text)
-                    attention._GPU_TILES[KEY] = tuple(tiles)
-                    try:
-                        diff = (backward().float() - expected.float()).abs().max().item()
-                        ms = statistics.median(_graph_ms(backward, 20, 10))
-                    except Exception as error:       # a tile that does not compile or fit: say so
-                        print(f"| {text} | failed: {type(error).__name__}: {str(error)[:120]} | | |")
-                        continue
-                    finally:
-                        attention._GPU_TILES[KEY] = current
-                    print(f"| {text} | {ms * 1e3:.1f} | {tflop / (ms / 1e3):.0f} | {diff:.2g} |")
+                    print_row(text, tuple(tiles), backward, expected, tflop)
 
 
 def main():
@@ -130,16 +136,7 @@ def main():
             with torch.inference_mode():
                 expected = forward()
                 for text in options.tiles:
-                    attention._GPU_TILES[KEY] = (parse_tiles(text),) + current[1:]
-                    try:
-                        diff = (forward().float() - expected.float()).abs().max().item()
-                        ms = statistics.median(_graph_ms(forward, 20, 10))
-                    except Exception as error:       # a tile that does not compile or fit: say so
-                        print(f"| {text} | failed: {type(error).__name__}: {str(error)[:120]} | | |")
-                        continue
-                    finally:
-                        attention._GPU_TILES[KEY] = current
-                    print(f"| {text} | {ms * 1e3:.1f} | {tflop / (ms / 1e3):.0f} | {diff:.2g} |")
+                    print_row(text, (parse_tiles(text),) + current[1:], forward, expected, tflop)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import importlib
 
 import torch
 
-from scripts.layernorm_bwd_tiles import gpu_us
+from scripts.layernorm_bwd_tiles import print_row
 
 bias_act_op = importlib.import_module("bert_fast.ops.bias_act")   # the module, not the function
 
@@ -85,15 +85,7 @@ def main():
             with torch.inference_mode():
                 expected = call()
                 for text in options.tiles:
-                    try:
-                        with launch_shape(text):
-                            got = call()
-                            diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, expected))
-                            us = gpu_us(call, device)
-                    except Exception as error:       # a shape that does not compile or fit: say so
-                        print(f"| {text} | failed: {type(error).__name__}: {str(error)[:120]} | | |")
-                        continue
-                    print(f"| {text} | {us:.1f} | {nbytes / us / 1e3:.0f} | {diff:.2g} |")
+                    print_row(text, launch_shape(text), call, expected, nbytes, device)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,20 @@ def gpu_us(call, device):
     return (time.perf_counter() - start) * 1e6
 
 
+def print_row(text, shape, call, expected, nbytes, device):
+    """One table row: ``call`` within the launch ``shape`` (a context manager), its gradients
+    (the Nones left out) against ``expected``, GB/s on ``nbytes``."""
+    try:
+        with shape:
+            got = [t for t in call() if t is not None]
+            diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, expected))
+            us = gpu_us(call, device)
+    except Exception as error:       # a shape that does not compile or fit: say so
+        print(f"| {text} | failed: {type(error).__name__}: {str(error)[:120]} | | |")
+        return
+    print(f"| {text} | {us:.1f} | {nbytes / us / 1e3:.0f} | {diff:.2g} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=None, help="default 128 4096 8192 (CPU: 20)")
@@ -113,15 +127,7 @@ def main():
             with torch.inference_mode():
                 expected = [t for t in call() if t is not None]
                 for text in options.tiles:
-                    try:
-                        with launch_shape(parse_tiles(text)):
-                            got = [t for t in call() if t is not None]
-                            diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, expected))
-                            us = gpu_us(call, device)
-                    except Exception as error:       # a shape that does not compile or fit: say so
-                        print(f"| {text} | failed: {type(error).__name__}: {str(error)[:120]} | | |")
-                        continue
-                    print(f"| {text} | {us:.1f} | {nbytes / us / 1e3:.0f} | {diff:.2g} |")
+                    print_row(text, launch_shape(parse_tiles(text)), call, expected, nbytes, device)
 
 
 if __name__ == "__main__":
