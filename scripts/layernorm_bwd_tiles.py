@@ -5,7 +5,7 @@
 On an H100 (2026-11-26) the backward took 68.8 µs a call in a B32 L128 training step and
 128.8 µs at 8192x768 against the extension's 23.9 and 27.1: a fifth of the bandwidth. Its
 launch shape was then the forward's, chosen without a GPU: at H = 768 a program held 2 rows of
-a 1024-wide tile on 8 warps (108 registers, so 2 programs resident per SM), 4 programs per SM
+a 1024-wide tile on 8 warps (80-108 registers, so 2 or 3 programs resident per SM), 4 programs per SM
 striding over the rows. This script's first run (the record
 benchmarks/results/nvidia-h100-80gb-hbm3-2026-11-26T1517-layernorm-tiles.log) found the same
 tile on 4 warps 4-5x faster (11.3 µs at 4096 rows, 25.0 at 8192; 96 registers, every program
