@@ -154,3 +154,36 @@ def test_gpu_path_reads_no_values_on_the_host(valid_lens, dropout, monkeypatch):
         with reads:
             fast(tokens, segments, valid_lens)
         assert reads.seen == ["Tensor.tolist"], reads.seen
+
+
+@pytest.mark.parametrize("per_op", [False, True], ids=["fused-layer", "per-op"])
+def test_backward_checks_nothing_its_forward_checked(per_op, monkeypatch):
+    """The backward launchers of our own Functions (the fused layer's, and the per-op path's
+    add_layernorm, bias_act/linear+ReLU and attention) take the forward's saved tensors and an
+    output gradient autograd shaped: their input checks ran with the forward (~13 us a call on
+    the host, a quarter of add_layernorm's backward launcher). Direct calls still check."""
+    from importlib import import_module
+    modules = [import_module(f"bert_fast.ops.{name}") for name in ("add_layernorm", "bias_act", "attention")]
+    calls = []
+    for module, name in [(modules[0], "_check_bwd_inputs"), (modules[1], "_check_inputs"),
+                         (modules[2], "_check_bwd_inputs"), (modules[2], "_check_attention_inputs")]:
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *args, _f=original, _n=name, **kwargs: (calls.append(_n),
+                                                                                         _f(*args, **kwargs))[1])
+    cfg = dict(encoder_config(num_heads=2, head_dim=16, num_layers=2, ffn=48), dropout=0.2)
+    _, fast = encoder_pair(cfg, backend="triton")
+    fast.train()
+    if per_op:        # a hook on a sublayer makes the block take the per-op path (modules.fused_layer)
+        for block in fast.blks:
+            block.attention.register_forward_hook(lambda *args: None)
+    tokens, segments = random_inputs(B, L, 50)
+    with kernels_on_cpu():
+        out = fast(tokens, segments, torch.tensor([4, 11]))
+        assert calls, "the forward checks its inputs"
+        calls.clear()
+        out.square().mean().backward()
+        assert calls == [] and fast.blks[0].attention.W_q.weight.grad is not None, calls
+        grad = torch.ones(3, 8)
+        with pytest.raises(ValueError, match="mean must be"):
+            modules[0]._add_layernorm_bwd(grad, grad, grad, None, torch.zeros(2), torch.ones(3), None, 0.0, False)
+        assert calls == ["_check_bwd_inputs"]

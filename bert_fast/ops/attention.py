@@ -662,12 +662,18 @@ def _attention_fwd_triton(qkv, valid_lens, num_heads, dropout_p, seed, counts=No
     return out, lse
 
 
-def _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed, counts=None):
-    """Gradient of the packed projection, (B, L, 3H), from the forward's context and LSE."""
-    head_dim = _check_attention_inputs(qkv, valid_lens, num_heads, dropout_p, seed)
+def _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed, counts=None,
+                          check=True):
+    """Gradient of the packed projection, (B, L, 3H), from the forward's context and LSE.
+    ``check=False``: the inputs are a forward's, checked when it ran (the backward of our own
+    Functions; see add_layernorm's _add_layernorm_bwd_triton)."""
     batch, seqlen, _ = qkv.shape
-    _check_bwd_inputs(grad_out, out, lse, qkv, num_heads, head_dim, (batch, num_heads, seqlen))
-    require_triton(grad_out, qkv, out, lse, valid_lens)
+    if check:
+        head_dim = _check_attention_inputs(qkv, valid_lens, num_heads, dropout_p, seed)
+        _check_bwd_inputs(grad_out, out, lse, qkv, num_heads, head_dim, (batch, num_heads, seqlen))
+        require_triton(grad_out, qkv, out, lse, valid_lens)
+    else:
+        head_dim = qkv.shape[-1] // (3 * num_heads)
     dqkv = torch.empty_like(qkv, memory_format=torch.contiguous_format)
     if counts is None and valid_lens is not None:
         counts = _visible_key_counts(valid_lens, batch, seqlen)
@@ -696,11 +702,15 @@ def _varlen_attention_fwd_triton(qkv, cu_seqlens, num_heads, max_seqlen, dropout
 
 
 def _varlen_attention_bwd_triton(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed,
-                                 filler=True):
-    """Gradient of the packed valid tokens' projection, (N, 3H); ``filler`` as for the forward."""
-    head_dim = _check_varlen_inputs(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
-    _check_bwd_inputs(grad_out, out, lse, qkv, num_heads, head_dim, (num_heads, qkv.shape[0]))
-    require_triton(grad_out, qkv, out, lse, cu_seqlens)
+                                 filler=True, check=True):
+    """Gradient of the packed valid tokens' projection, (N, 3H); ``filler`` as for the forward,
+    ``check`` as for _attention_bwd_triton."""
+    if check:
+        head_dim = _check_varlen_inputs(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
+        _check_bwd_inputs(grad_out, out, lse, qkv, num_heads, head_dim, (num_heads, qkv.shape[0]))
+        require_triton(grad_out, qkv, out, lse, cu_seqlens)
+    else:
+        head_dim = qkv.shape[-1] // (3 * num_heads)
     dqkv = (torch.zeros if filler else torch.empty)(qkv.shape, dtype=qkv.dtype, device=qkv.device)
     _launch_bwd(grad_out, qkv, out, lse, dqkv, None, cu_seqlens.contiguous(), cu_seqlens.shape[0] - 1, num_heads,
                 head_dim, max_seqlen, dropout_p, seed)
@@ -840,10 +850,10 @@ def _attention_fwd(qkv, valid_lens, num_heads, dropout_p, seed, counts=None):
     return _attention_fwd_triton(qkv, valid_lens, num_heads, dropout_p, seed, counts)
 
 
-def _attention_bwd(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed, counts=None):
+def _attention_bwd(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed, counts=None, check=True):
     if cpu_kernel(qkv):
         return _attention_bwd_cpu(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed)
-    return _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed, counts)
+    return _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed, counts, check)
 
 
 def _varlen_attention_fwd(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed, filler=True):
@@ -853,11 +863,12 @@ def _varlen_attention_fwd(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, see
     return _varlen_attention_fwd_triton(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed, filler)
 
 
-def _varlen_attention_bwd(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed, filler=True):
+def _varlen_attention_bwd(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed, filler=True,
+                          check=True):
     if cpu_kernel(qkv):
         return _varlen_attention_bwd_cpu(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
     return _varlen_attention_bwd_triton(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed,
-                                        filler)
+                                        filler, check)
 
 
 def _attention_fwd_op(qkv: torch.Tensor, valid_lens: torch.Tensor | None, num_heads: int, dropout_p: float,
@@ -950,10 +961,11 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, grad_out):
         qkv, lengths, counts, out, lse, seed = ctx.saved_tensors
         if ctx.max_seqlen is None:
-            dqkv = _attention_bwd(grad_out, qkv, out, lse, lengths, ctx.num_heads, ctx.dropout_p, seed, counts)
+            dqkv = _attention_bwd(grad_out, qkv, out, lse, lengths, ctx.num_heads, ctx.dropout_p, seed, counts,
+                                  check=False)
         else:
             dqkv = _varlen_attention_bwd(grad_out, qkv, out, lse, lengths, ctx.num_heads, ctx.max_seqlen,
-                                         ctx.dropout_p, seed, ctx.filler)
+                                         ctx.dropout_p, seed, ctx.filler, check=False)
         return dqkv, None, None, None, None, None, None, None
 
 

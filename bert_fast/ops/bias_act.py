@@ -190,16 +190,19 @@ def _bias_act_fwd_triton(h, bias, activation):
     return out
 
 
-def _bias_act_bwd_triton(grad_out, saved, bias, activation):
+def _bias_act_bwd_triton(grad_out, saved, bias, activation, check=True):
     """Triton backward: (d_h, d_bias); d_bias is an empty (0-element) tensor when bias is None.
 
     ``saved`` is the forward's output for "relu" and its input h for "gelu"/"gelu_tanh".
+    ``check=False``: the inputs are a forward's, checked when it ran (the backward of our own
+    Functions; see add_layernorm's _add_layernorm_bwd_triton).
     """
-    _check_inputs(saved, bias, activation, what="saved")
-    if grad_out.shape != saved.shape or grad_out.dtype != saved.dtype:
-        raise ValueError(f"grad_out must match saved: shape {tuple(saved.shape)} and dtype {saved.dtype}, "
-                         f"got {tuple(grad_out.shape)} and {grad_out.dtype}")
-    require_triton(grad_out, saved, bias)
+    if check:
+        _check_inputs(saved, bias, activation, what="saved")
+        if grad_out.shape != saved.shape or grad_out.dtype != saved.dtype:
+            raise ValueError(f"grad_out must match saved: shape {tuple(saved.shape)} and dtype {saved.dtype}, "
+                             f"got {tuple(grad_out.shape)} and {grad_out.dtype}")
+        require_triton(grad_out, saved, bias)
     n_cols = saved.shape[-1]
     grad2, grad_stride, n_rows = rows(grad_out, n_cols)
     saved2, saved_stride, _ = rows(saved, n_cols)
@@ -267,10 +270,10 @@ def _bias_act_fwd(h, bias, activation):
     return _bias_act_fwd_triton(h, bias, activation)
 
 
-def _bias_act_bwd(grad_out, saved, bias, activation):
+def _bias_act_bwd(grad_out, saved, bias, activation, check=True):
     if cpu_kernel(saved):
         return _bias_act_bwd_cpu(grad_out, saved, bias, activation)
-    return _bias_act_bwd_triton(grad_out, saved, bias, activation)
+    return _bias_act_bwd_triton(grad_out, saved, bias, activation, check)
 
 
 def _bias_act_fwd_op(h: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
@@ -327,7 +330,7 @@ class _BiasAct(torch.autograd.Function):
     @once_differentiable("bias_act", "bert_fast::bias_act_bwd")
     def backward(ctx, grad_out):
         saved, bias = ctx.saved_tensors
-        d_h, d_bias = _bias_act_bwd(grad_out, saved, bias, ctx.activation)
+        d_h, d_bias = _bias_act_bwd(grad_out, saved, bias, ctx.activation, check=False)
         return d_h, d_bias if bias is not None else None, None
 
 
@@ -367,11 +370,12 @@ def _relu_bwd(grad_out, out, bias):
     rows (-1, N), the bias's gradient, None without ``bias``). On the Triton launchers' tensors
     bias_act's backward kernel masks the gradient and sums the bias's partial rows from the fp32
     values as it goes (then column_sums): d_z is not read again for the bias, 25 MB a layer in a
-    BERT-base B32 L128 step. Elsewhere threshold_backward, then a sum over d_z."""
+    BERT-base B32 L128 step. Elsewhere threshold_backward, then a sum over d_z. For backward
+    functions only: the inputs are a forward's, not checked again."""
     if cpu_kernel(out):
         d_z, d_bias = _threshold_backward(grad_out, out, 0), None
     else:
-        d_z, d_bias = _bias_act_bwd_triton(grad_out, out, bias, "relu")
+        d_z, d_bias = _bias_act_bwd_triton(grad_out, out, bias, "relu", check=False)
     if d_z.dim() != 2:
         d_z = d_z.reshape(-1, out.shape[-1])
     if bias is None:

@@ -42,7 +42,7 @@ from typing import NamedTuple
 import torch
 from torch.nn import functional as F
 
-from .add_layernorm import _add_layernorm_bwd, _add_layernorm_fwd, _add_layernorm_fwd_output, _ext_bwd, _ext_fwd
+from .add_layernorm import _add_layernorm_fwd, _add_layernorm_fwd_output, _ext_bwd, _ext_fwd, _saved_bwd
 from .attention import (_attention_bwd, _attention_fwd, _runs_kernel, _varlen_attention_bwd, _varlen_attention_fwd,
                         key_mask as _key_mask)
 from .bias_act import _bias_act_bwd, _bias_act_fwd, _relu_bwd
@@ -157,12 +157,12 @@ def _attention_backward(grad, qkv, key_mask, num_heads, dropout_p, seed, saved):
             return _per_sequence_backward(grad, qkv, key_mask.seqlens, num_heads, saved)
         out, lse = saved
         return _varlen_attention_bwd(grad, qkv, out, lse, key_mask.cu_seqlens, num_heads, key_mask.seqlen,
-                                     dropout_p, seed, key_mask.static)
+                                     dropout_p, seed, key_mask.static, check=False)
     out, lse = saved
     if _uses_kernels(qkv, dropout_p):
         valid_lens = None if key_mask is None else key_mask.valid_lens
         counts = None if key_mask is None else key_mask.counts
-        return _attention_bwd(grad, qkv, out, lse, valid_lens, num_heads, dropout_p, seed, counts)
+        return _attention_bwd(grad, qkv, out, lse, valid_lens, num_heads, dropout_p, seed, counts, check=False)
     q, k, v, mask, query_keep = _cpu_attention_args(qkv, num_heads, key_mask)
     if query_keep is not None:
         q = q * query_keep
@@ -192,8 +192,8 @@ def _layernorm_backward(spec, has_x_bias, grad, x, residual, weight, mean, rstd,
         d_res, d_drop, d_weight, d_bias = _ext_bwd(grad, x, residual, weight, mean, rstd, seed, p, has_bias)
         d_x = d_drop if p > 0.0 else d_res
         return d_res, d_x, d_weight, d_bias, (d_x.sum(0) if has_x_bias else None)
-    d_res, d_drop, d_weight, d_bias, *d_x_bias = _add_layernorm_bwd(grad, x, residual, weight, mean, rstd, seed,
-                                                                    p, has_bias, has_x_bias)
+    d_res, d_drop, d_weight, d_bias, *d_x_bias = _saved_bwd(grad, x, residual, weight, mean, rstd, seed, p,
+                                                            has_bias, has_x_bias)
     return d_res, d_drop if p > 0.0 else d_res, d_weight, d_bias, d_x_bias[0] if has_x_bias else None
 
 
@@ -282,7 +282,7 @@ class _EncoderLayer(torch.autograd.Function):
         if spec.activation == "relu":
             d_z, d_b1 = _relu_bwd(d_h, act_saved, b_1 if needs[15] else None)
         else:
-            d_z, d_b1 = _bias_act_bwd(d_h, act_saved, b_1, spec.activation)
+            d_z, d_b1 = _bias_act_bwd(d_h, act_saved, b_1, spec.activation, check=False)
             d_b1 = d_b1 if needs[15] else None
         d_w1 = d_z.t().mm(y_gemm) if needs[14] else None
         d_y = _add_product(d_res, d_z, w_1)                 # + the residual's gradient, in the GEMM
