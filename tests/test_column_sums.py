@@ -6,7 +6,7 @@ program's, one row, the output dtype, the partials' shape kept, the same bits on
 import pytest
 import torch
 
-from bert_fast.ops.column_sums import _COLUMN_SUMS_BLOCKS, column_sums
+from bert_fast.ops.column_sums import _COLUMN_SUMS_BLOCKS, column_sums, joint_column_sums
 from tests.helpers import assert_close, DEVICE, needs_kernels
 
 pytestmark = needs_kernels
@@ -36,3 +36,26 @@ def test_column_sums_read_only_their_rows():
     partials = buffer[:BLOCK_R - 5]
     assert_close(column_sums(partials, torch.float32).double(), partials.double().sum(0), atol=1e-4,
                  what="column sums of a buffer's first rows")
+
+
+@pytest.mark.parametrize("shapes", [[(7, 2, 40), (3, 100), (BLOCK_R + 9, 3, 40)], [(1, 5), (2 * BLOCK_R + 1, 33)],
+                                    [(4, 48)]], ids=["three", "two", "one"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_joint_column_sums_are_each_buffers_sums_in_turn(shapes, dtype):
+    """The fused layer's backward sums its kernels' partial rows in one launch: buffers of
+    different row counts and widths (not multiples of a program's columns, so a program's
+    columns never straddle two buffers), their sums side by side, as column_sums gives each."""
+    partials = [torch.randn(shape, device=DEVICE) for shape in shapes]
+    out = joint_column_sums(partials, dtype)
+    assert out.dtype == dtype and out.dim() == 1
+    expected = torch.cat([p.double().sum(0).flatten() for p in partials])
+    assert_close(out.double(), expected, atol=1e-4, rtol=ULP[dtype], what=f"joint column sums {shapes}")
+    assert torch.equal(out, torch.cat([column_sums(p, dtype).flatten() for p in partials])), \
+        "the same sums as one launch per buffer"
+
+
+def test_joint_column_sums_take_one_to_three_buffers():
+    partials = torch.zeros(2, 8, device=DEVICE)
+    for count in (0, 4):
+        with pytest.raises(ValueError, match="one to three buffers"):
+            joint_column_sums([partials] * count, torch.float32)

@@ -269,7 +269,7 @@ def _check_bwd_inputs(grad_out, x, residual, weight, mean, rstd, seed, dropout_p
 
 
 def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias,
-                              x_bias=False, check=True):
+                              x_bias=False, check=True, defer_sums=False):
     """Triton backward: (d_residual, d_x, d_weight, d_bias), shaped like the forward's inputs,
     and with ``x_bias`` a fifth, d_x's column sum: the gradient of a bias added to x.
 
@@ -281,6 +281,10 @@ def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, d
     ``check=False``: the inputs are a forward's, checked when it ran, and the forward's output
     gradient (autograd gives it the output's shape and dtype): the backward of our own
     Functions, where the checks were ~13 us of host time a call (a quarter of the launcher's).
+
+    ``defer_sums``: (d_residual, d_x, partials) instead, the column sums left as the kernel's
+    (programs, parts, H) fp32 partial rows (None without parts), for the caller to sum with
+    other kernels' in one launch (column_sums.joint_column_sums).
     """
     if check:
         _check_bwd_inputs(grad_out, x, residual, weight, mean, rstd, seed, dropout_p)
@@ -307,6 +311,8 @@ def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, d
             dropout_p, _keep_scale(dropout_p), seed,
             HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, HAS_X_BIAS=x_bias, HAS_DROPOUT=has_dropout,
             BLOCK_H=block_h, ROWS_PER_PROGRAM=rows_per_program, num_warps=num_warps)
+    if defer_sums:
+        return d_residual, d_x, partials.zero_() if empty and parts else partials
     if parts:
         sums = (torch.zeros((parts, hidden), dtype=x.dtype, device=x.device) if empty
                 else column_sums(partials, x.dtype))

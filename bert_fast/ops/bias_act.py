@@ -190,12 +190,14 @@ def _bias_act_fwd_triton(h, bias, activation):
     return out
 
 
-def _bias_act_bwd_triton(grad_out, saved, bias, activation, check=True):
+def _bias_act_bwd_triton(grad_out, saved, bias, activation, check=True, defer_sum=False):
     """Triton backward: (d_h, d_bias); d_bias is an empty (0-element) tensor when bias is None.
 
     ``saved`` is the forward's output for "relu" and its input h for "gelu"/"gelu_tanh".
     ``check=False``: the inputs are a forward's, checked when it ran (the backward of our own
-    Functions; see add_layernorm's _add_layernorm_bwd_triton).
+    Functions; see add_layernorm's _add_layernorm_bwd_triton). ``defer_sum``: (d_h, partials)
+    instead, d_bias left as the kernel's (programs, N) fp32 partial rows (None without bias), as
+    add_layernorm's ``defer_sums``.
     """
     if check:
         _check_inputs(saved, bias, activation, what="saved")
@@ -219,6 +221,8 @@ def _bias_act_bwd_triton(grad_out, saved, bias, activation, check=True):
             grad2, saved2, bias, d_h, d_bias_partial, n_rows, n_cols, grad_stride, saved_stride,
             ACTIVATION=activation, HAS_BIAS=bias is not None,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    if defer_sum:
+        return d_h, d_bias_partial.zero_() if empty and bias is not None else d_bias_partial
     if bias is None:
         d_bias = saved.new_empty(0)
     else:

@@ -13,10 +13,21 @@ from ._triton import cdiv, launch, tl, triton
 
 
 @triton.jit
-def _column_sums_kernel(partial_ptr, out_ptr, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    # A program sums BLOCK_C columns over every row, BLOCK_R rows a step, in a fixed order
-    # (the same sums for the same partials on every run).
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+def _column_sums_kernel(out_ptr, a_ptr, b_ptr, c_ptr, a_rows, b_rows, c_rows, a_cols, b_cols, c_cols,
+                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # Up to three contiguous fp32 (rows, cols) buffers a, b, c (one left out has 0 columns); their
+    # column sums go to out side by side: a's, then b's, then c's. A program sums BLOCK_C columns
+    # of one buffer over every row, BLOCK_R rows a step, in a fixed order (the same sums for the
+    # same partials on every run).
+    program = tl.program_id(0)
+    b_first = tl.cdiv(a_cols, BLOCK_C)          # the first program of b's columns, then of c's
+    c_first = b_first + tl.cdiv(b_cols, BLOCK_C)
+    in_b, in_c = program >= b_first, program >= c_first
+    partial_ptr = tl.where(in_c, c_ptr, tl.where(in_b, b_ptr, a_ptr))
+    n_rows = tl.where(in_c, c_rows, tl.where(in_b, b_rows, a_rows))
+    n_cols = tl.where(in_c, c_cols, tl.where(in_b, b_cols, a_cols))
+    out_ptr += tl.where(in_c, a_cols + b_cols, tl.where(in_b, a_cols, 0))
+    cols = (program - tl.where(in_c, c_first, tl.where(in_b, b_first, 0))) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_in = cols < n_cols
     acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     for first_row in range(0, n_rows, BLOCK_R):
@@ -39,7 +50,28 @@ def column_sums(partials, dtype):
     bandwidth: too few outputs to spread over the GPU.
     """
     out = torch.empty(partials.shape[1:], dtype=dtype, device=partials.device)
-    n_cols = out.numel()
-    launch(_column_sums_kernel, out)[(cdiv(n_cols, _COLUMN_SUMS_BLOCKS["BLOCK_C"]),)](
-        partials, out, partials.shape[0], n_cols, **_COLUMN_SUMS_BLOCKS)
+    _launch(out, (partials,))
     return out
+
+
+def joint_column_sums(partials, dtype):
+    """column_sums of up to three buffers in one launch: a flat tensor in ``dtype`` holding each
+    buffer's sums (flattened) in turn, for the caller to split. The buffers may have different
+    numbers of rows. The fused encoder layer's backward sums its two add-norms' and its FFN
+    bias's partial rows this way: one launch a layer where each kernel's own were three."""
+    if not 1 <= len(partials) <= 3:
+        raise ValueError(f"joint_column_sums takes one to three buffers, got {len(partials)}")
+    out = torch.empty(sum(p.numel() // p.shape[0] for p in partials), dtype=dtype, device=partials[0].device)
+    _launch(out, partials)
+    return out
+
+
+def _launch(out, partials):
+    block_c = _COLUMN_SUMS_BLOCKS["BLOCK_C"]
+    rows = [p.shape[0] for p in partials]
+    cols = [p.numel() // n for p, n in zip(partials, rows)]
+    programs = sum(cdiv(n, block_c) for n in cols)
+    missing = 3 - len(partials)            # left out: no columns (the first buffer's pointer stands in)
+    launch(_column_sums_kernel, out)[(programs,)](
+        out, *partials, *(partials[0],) * missing, *rows, *(0,) * missing, *cols, *(0,) * missing,
+        **_COLUMN_SUMS_BLOCKS)

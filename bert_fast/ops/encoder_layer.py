@@ -42,12 +42,14 @@ from typing import NamedTuple
 import torch
 from torch.nn import functional as F
 
-from .add_layernorm import _add_layernorm_fwd, _add_layernorm_fwd_output, _ext_bwd, _ext_fwd, _saved_bwd
+from .add_layernorm import (_add_layernorm_bwd_triton, _add_layernorm_fwd, _add_layernorm_fwd_output, _ext_bwd,
+                            _ext_fwd, _saved_bwd)
 from .attention import (_attention_bwd, _attention_fwd, _runs_kernel, _varlen_attention_bwd, _varlen_attention_fwd,
                         key_mask as _key_mask)
-from .bias_act import _bias_act_bwd, _bias_act_fwd, _relu_bwd
+from .bias_act import _bias_act_bwd, _bias_act_bwd_triton, _bias_act_fwd, _relu_bwd
+from .column_sums import joint_column_sums
 from ._autograd import once_differentiable, records_grad, thin_apply
-from ._triton import as_dtype
+from ._triton import as_dtype, cpu_kernel
 from ._philox import dropout_seed
 from .padding import Unpadding
 
@@ -182,12 +184,57 @@ def _layernorm_forward(extension, stats):
     return _add_layernorm_fwd if stats else _add_layernorm_fwd_output
 
 
-def _layernorm_backward(spec, has_x_bias, grad, x, residual, weight, mean, rstd, seed, has_bias):
+class _DeferredSums:
+    """The backward's column sums on the kernels' path, made by one launch after the last kernel.
+
+    Triton's add-norm backward (the LayerNorm's weight and bias gradients, and the branch bias's)
+    and bias_act's (b_1's) each leave their column sums as fp32 partial rows; one
+    joint_column_sums launch sums the layer's three buffers where a launch per kernel was three
+    (host time and launches: the eager training step is host-bound on the GPU). ``add`` gives a
+    placeholder (an int) per sum, ``finish`` makes them, ``take`` turns a placeholder into its
+    sum and leaves anything else (None, a tensor) as it is."""
+
+    def __init__(self):
+        self.partials, self.widths, self.sums = [], [], None
+
+    def add(self, partials, present):
+        """Placeholders for the parts of ``partials`` ((programs, parts, N) or (programs, N);
+        None when there are none): ``present`` flags which parts it holds, of those it could."""
+        if partials is not None:
+            self.partials.append(partials)
+        handles = []
+        for there in present:
+            handles.append(len(self.widths) if there else None)
+            if there:
+                self.widths.append(partials.shape[-1])
+        return handles
+
+    def finish(self, dtype):
+        if self.partials:
+            self.sums = joint_column_sums(self.partials, dtype).split_with_sizes(self.widths)
+
+    def take(self, value):
+        return self.sums[value] if type(value) is int else value
+
+
+def _defers_sums(spec, rows):
+    """Whether the backward's column sums go through _DeferredSums: Triton's add-norms (not the
+    extension's, whose backward sums its own) on the kernels' tensors."""
+    return not spec.extension and not cpu_kernel(rows)
+
+
+def _layernorm_backward(spec, has_x_bias, grad, x, residual, weight, mean, rstd, seed, has_bias, sums=None):
     """LN(residual + drop(x))'s backward on rows: (d_residual, d_x, d_weight, d_bias, d_x_bias).
     d_x is the branch's gradient (after its dropout); d_x_bias, the gradient of the branch's
     bias (d_x's column sum), None unless ``has_x_bias``: the Triton kernel sums it with d_weight
-    and d_bias, one reduction for the three and no pass of its own over d_x."""
+    and d_bias, one reduction for the three and no pass of its own over d_x. With ``sums`` (a
+    _DeferredSums) the last three are its placeholders."""
     p = spec.dropout_p
+    if sums is not None:
+        d_res, d_drop, partials = _add_layernorm_bwd_triton(grad, x, residual, weight, mean, rstd, seed, p, has_bias,
+                                                            has_x_bias, check=False, defer_sums=True)
+        return (d_res, d_drop if p > 0.0 else d_res,
+                *sums.add(partials, (weight is not None, has_bias, has_x_bias)))
     if spec.extension:
         d_res, d_drop, d_weight, d_bias = _ext_bwd(grad, x, residual, weight, mean, rstd, seed, p, has_bias)
         d_x = d_drop if p > 0.0 else d_res
@@ -274,12 +321,21 @@ class _EncoderLayer(torch.autograd.Function):
 
         # LN2: the residual's gradient (to y), the FFN output's (through its dropout) and its
         # bias's, on rows like the rest of the backward (f is already).
+        # On the kernels' path the column sums (the add-norms' weights and biases, b_2, b_1, b_o)
+        # are made by one launch at the end (_DeferredSums); elsewhere as each kernel runs.
+        sums = _DeferredSums() if _defers_sums(spec, f) else None
         d_res, d_f, d_ln2_w, d_ln2_b, d_b2 = _layernorm_backward(
-            spec, needs[17], grad_out.reshape(-1, hidden), f, y, ln2_w, mean2, rstd2, seeds[2], has_ln2_b)
+            spec, needs[17], grad_out.reshape(-1, hidden), f, y, ln2_w, mean2, rstd2, seeds[2], has_ln2_b, sums)
         d_f = as_dtype(d_f, gemm_dtype)
         d_w2 = d_f.t().mm(h) if needs[16] else None
         d_h = d_f.mm(w_2)
-        if spec.activation == "relu":
+        if sums is not None:
+            # GELU's derivative reads the bias; ReLU's mask needs it only for its gradient.
+            bias = b_1 if needs[15] or spec.activation != "relu" else None
+            d_z, partials = _bias_act_bwd_triton(d_h, act_saved, bias, spec.activation, check=False, defer_sum=True)
+            (d_b1,) = sums.add(partials, (bias is not None,))
+            d_b1 = d_b1 if needs[15] else None
+        elif spec.activation == "relu":
             d_z, d_b1 = _relu_bwd(d_h, act_saved, b_1 if needs[15] else None)
         else:
             d_z, d_b1 = _bias_act_bwd(d_h, act_saved, b_1, spec.activation, check=False)
@@ -289,7 +345,11 @@ class _EncoderLayer(torch.autograd.Function):
 
         # LN1, the output projection, attention, the packed QKV projection.
         d_res, d_projected, d_ln1_w, d_ln1_b, d_b_o = _layernorm_backward(
-            spec, has_b_o and needs[11], d_y, projected, rows, ln1_w, mean1, rstd1, seeds[1], has_ln1_b)
+            spec, has_b_o and needs[11], d_y, projected, rows, ln1_w, mean1, rstd1, seeds[1], has_ln1_b, sums)
+        if sums is not None:
+            sums.finish(projected.dtype)
+            d_ln2_w, d_ln2_b, d_b2, d_b1, d_ln1_w, d_ln1_b, d_b_o = map(
+                sums.take, (d_ln2_w, d_ln2_b, d_b2, d_b1, d_ln1_w, d_ln1_b, d_b_o))
         d_projected = as_dtype(d_projected, gemm_dtype)
         d_w_o = d_projected.t().mm(context) if needs[10] else None
         d_context = d_projected.mm(w_o).view(x_norm.shape)
