@@ -165,8 +165,10 @@ for step in "$@"; do
         # call against a 0.434 ms replay on the H100), check_inputs on and off, capture_encoder.
         run profile-graph-call env PYTHONPATH=. python scripts/profile_graph_call.py ;;
     profile-train)
-        # The kernels of a training step's forward+backward (B32 L128, dropout 0.1), per backend.
-        run profile-train env PYTHONPATH=. python scripts/profile_kernels.py --train --backends auto triton torch ;;
+        # The kernels of a training step's forward+backward (B32 L128, dropout 0.1), per backend;
+        # auto also with Triton's add-norm backward in the extension's place.
+        run profile-train env PYTHONPATH=. python scripts/profile_kernels.py --train --backends auto \
+            auto:triton-addnorm-bwd triton torch ;;
     profile-train-step)
         # A whole pretraining step (MLM + NSP heads, fused AdamW), reference and optimize(): wall
         # time against kernel time, and the vocabulary-sized ops' and the optimizer's shares.

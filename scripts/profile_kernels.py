@@ -9,9 +9,15 @@ capture_encoder's graph (CUDA events around 50 replays, one sync) beside the ker
 the graph adds between kernels. --train: the kernels of a training step's forward+backward
 instead (train mode, dropout 0.1, a fixed output gradient; no graph). A GPU-only tool for
 scripts/gpu_session.sh's `profile` and `profile-train` steps.
+
+Besides the backends, ``auto:triton-addnorm-bwd``: backend auto with Triton's add-norm backward
+in the extension's place (ops.encoder_layer.EXTENSION_ADDNORM_BACKWARD off), to measure which
+of the two a training step should run.
 """
 
 import argparse
+import contextlib
+import importlib
 
 import torch
 
@@ -34,6 +40,24 @@ def kernel_times(model, inputs, train):
         for _ in range(3):
             model(*inputs)
         return kernel_breakdown(lambda: model(*inputs), FORWARDS)
+
+
+TRITON_ADDNORM_BWD = ":triton-addnorm-bwd"
+
+
+@contextlib.contextmanager
+def variant(name):
+    """Within: the backend variant ``name`` names (see the module docstring); the backend itself."""
+    layer = importlib.import_module("bert_fast.ops.encoder_layer")
+    backend, _, option = name.partition(":")
+    if option not in ("", TRITON_ADDNORM_BWD[1:]):
+        raise ValueError(f"unknown variant {name!r}")
+    previous = layer.EXTENSION_ADDNORM_BACKWARD
+    layer.EXTENSION_ADDNORM_BACKWARD = not option
+    try:
+        yield backend
+    finally:
+        layer.EXTENSION_ADDNORM_BACKWARD = previous
 
 
 def replay_ms(model, inputs):
@@ -64,12 +88,13 @@ def main():
         shape = SHAPES[shape_name]
         inputs = make_inputs(shape.batch, shape.seq, shape.min_len_frac, config["vocab_size"], 0, torch.device("cuda"))
         for backend in options.backends:
-            torch.manual_seed(0)
-            model = FastBERTEncoder(**config, backend=backend, check_inputs=False).cuda().to(torch.bfloat16)
-            model.train(options.train)
             try:
-                times = kernel_times(model, tuple(inputs), options.train)
-                graph = None if options.train else replay_ms(model, tuple(inputs))
+                with variant(backend) as plain_backend:
+                    torch.manual_seed(0)
+                    model = FastBERTEncoder(**config, backend=plain_backend, check_inputs=False).cuda().to(torch.bfloat16)
+                    model.train(options.train)
+                    times = kernel_times(model, tuple(inputs), options.train)
+                    graph = None if options.train else replay_ms(model, tuple(inputs))
             except Exception as error:       # report it, and go on with the next shape
                 print(f"\n## {shape_name}, backend {backend}: failed: {type(error).__name__}: {error}")
                 continue

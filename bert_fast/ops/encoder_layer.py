@@ -217,10 +217,18 @@ class _DeferredSums:
         return self.sums[value] if type(value) is int else value
 
 
+# The add-norm backward of the cuda backend's fused layer: the extension's (True), which sums its
+# own weight and bias gradients, while the branch bias's are two torch.sum launches a layer; or
+# Triton's (False) on the extension forward's statistics (the same dropout mask, _philox.py),
+# with every column sum of the layer in one launch (_DeferredSums). Which trains faster is for
+# a GPU to say: scripts/profile_kernels.py --train --backends auto auto:triton-addnorm-bwd.
+EXTENSION_ADDNORM_BACKWARD = True
+
+
 def _defers_sums(spec, rows):
     """Whether the backward's column sums go through _DeferredSums: Triton's add-norms (not the
     extension's, whose backward sums its own) on the kernels' tensors."""
-    return not spec.extension and not cpu_kernel(rows)
+    return not (spec.extension and EXTENSION_ADDNORM_BACKWARD) and not cpu_kernel(rows)
 
 
 def _layernorm_backward(spec, has_x_bias, grad, x, residual, weight, mean, rstd, seed, has_bias, sums=None):
