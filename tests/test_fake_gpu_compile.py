@@ -43,7 +43,7 @@ INFERENCE_KERNELS = {"_embedding_sum_fwd_kernel", "_attention_fwd_kernel", "_add
 HF_KERNELS = {"_attention_fwd_kernel", "_add_layernorm_fwd_kernel", "_bias_act_fwd_kernel"}   # (embeddings: PyTorch)
 TRAINING_KERNELS = INFERENCE_KERNELS | {
     "_attention_bwd_dkdv_kernel", "_attention_bwd_dq_kernel",
-    "_add_layernorm_bwd_kernel", "_bias_act_bwd_kernel", "_embedding_sum_bwd_kernel",
+    "_add_layernorm_bwd_kernel", "_bias_act_bwd_kernel", "_column_sums_kernel", "_embedding_sum_bwd_kernel",
     "_embedding_sum_bwd_pos_kernel", "_embedding_sum_bwd_chunk_kernel", "_embedding_sum_bwd_carry_kernel"}
 
 
