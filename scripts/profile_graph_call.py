@@ -7,7 +7,10 @@ call takes 0.497 ms and FastBERTEncoder(cuda_graphs=True)'s 0.777 ms, timed as t
 (synchronize before and after each call). The same call on the CPU VM, replay stubbed, is
 ~70-80 µs of host work. This prints, for the automatic graphs with check_inputs on (users'
 default) and off, and for capture_encoder: the median µs a call timed that way, the median µs a
-call back to back (one synchronize per 20 calls, so host work may overlap the replays), and the
+call back to back (one synchronize per 20 calls, so host work may overlap the replays), the
+median µs a call timed that way right after an eager reference forward (untimed; the suite runs
+its other methods between two calls of one: on the CPU VM, replay stubbed, the automatic graph's
+host work went from ~70-90 µs a call to ~230-420 µs after one, caches and predictors cold), and the
 Python functions taking the most host time over ``--calls`` calls (cProfile; time inside torch's
 C++ calls, such as a host read's wait, shows under the calling builtin). A GPU tool for
 scripts/gpu_session.sh's `profile-graph-call` step; it changes nothing.
@@ -28,12 +31,22 @@ from bert_fast.cuda_graph import capture_encoder
 from bert_fast.reference import BERTEncoder
 
 
-def per_call_us(call, calls, synchronize_each):
-    """Median µs of a call over rounds of 20: each call synchronised, or the round's 20 back to back."""
+def per_call_us(call, calls, synchronize_each, between=None):
+    """Median µs of a call over rounds of 20: each call synchronised, or the round's 20 back to
+    back; ``between`` (synchronised calls only): run untimed before each call, as the suite's
+    interleaved rounds run the other methods between two calls of one."""
     samples = []
     for _ in range(max(1, calls // 20)):
         torch.cuda.synchronize()
-        if synchronize_each:
+        if between is not None:
+            for _ in range(20):
+                between()
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                call()
+                torch.cuda.synchronize()
+                samples.append((time.perf_counter() - start) * 1e6)
+        elif synchronize_each:
             for _ in range(20):
                 start = time.perf_counter()
                 call()
@@ -90,7 +103,9 @@ def main():
                 call()                     # captures, warmup
             each = per_call_us(call, options.calls, synchronize_each=True)
             back_to_back = per_call_us(call, options.calls, synchronize_each=False)
-            print(f"\n## {name}: {each:.0f} µs a call synchronised, {back_to_back:.0f} µs back to back")
+            after_eager = per_call_us(call, options.calls, synchronize_each=True, between=lambda: eager(*inputs))
+            print(f"\n## {name}: {each:.0f} µs a call synchronised, {back_to_back:.0f} µs back to back, "
+                  f"{after_eager:.0f} µs synchronised after an eager reference forward")
             print(top_functions(call, options.calls, options.lines))
 
 
