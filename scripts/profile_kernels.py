@@ -91,7 +91,8 @@ def main():
             try:
                 with variant(backend) as plain_backend:
                     torch.manual_seed(0)
-                    model = FastBERTEncoder(**config, backend=plain_backend, check_inputs=False).cuda().to(torch.bfloat16)
+                    model = FastBERTEncoder(**config, backend=plain_backend, check_inputs=False)
+                    model = model.cuda().to(torch.bfloat16)
                     model.train(options.train)
                     times = kernel_times(model, tuple(inputs), options.train)
                     graph = None if options.train else replay_ms(model, tuple(inputs))
