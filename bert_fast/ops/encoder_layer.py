@@ -15,9 +15,10 @@ with the residual gradients folded into the GEMMs (``addmm(d_residual, d_z, W)``
 gradients of b_o and b_2 summed by the add-norms' backward kernels beside their own weight and
 bias gradients (one reduction for the three, no pass over the rows of their own: 4 launches a
 layer fewer), b_1's summed by the kernel that masks ReLU's gradient (bias_act's backward; with
-the kernels, not on the CPU), and the packed QKV weight's gradient computed once and handed to
+the kernels, not on the CPU), the three kernels' column sums finished by one launch after the
+last of them (_DeferredSums), and the packed QKV weight's gradient computed once and handed to
 W_q, W_k, W_v as three slices (no concatenation node). Saved tensors are what the per-op path
-saves.
+saves; the backward launchers do not check them again (the forward's launchers did).
 
 Under autocast (for the layer's device; ``LayerSpec.amp_dtype``) the layer makes autocast's
 casts itself, as the per-op path's F.linear gets them: GEMMs, attention and activation in
