@@ -103,7 +103,9 @@ for step in "$@"; do
         # this machine's compiler linked it with the shared libstdc++ (its error messages): the
         # part of the suite a short lease can run (83 s with 8 workers on the H100, 2026-11-26).
         # add_layernorm's and bias_act's test files whole: their backward kernels changed after
-        # that run (launch shape; the bias gradient's reduction).
+        # that run (launch shape; the bias gradient's reduction). The joint column sums (one
+        # launch for a layer's) and the extension forward with Triton's add-norm backward (what
+        # profile-train's auto:triton-addnorm-bwd times) are new since the sixth run.
         parallel=()
         python -c "import xdist" 2>/dev/null && parallel=(-n "${GPU_TEST_WORKERS:-8}")
         run tests-gpu python -m pytest -q -rfE -p no:cacheprovider "${parallel[@]}" --durations=15 \
@@ -113,6 +115,7 @@ for step in "$@"; do
             tests/test_attention_triton.py::test_gpu_dropout_keep_rate_and_compile \
             tests/test_add_layernorm_triton.py tests/test_bias_act_triton.py \
             tests/test_column_sums.py tests/test_encoder_layer.py::test_fused_layer_matches_the_torch_backend \
+            tests/test_encoder_layer.py::test_cuda_backend_with_tritons_addnorm_backward \
             tests/test_encoder_layer.py::test_gpu_fused_layer_matches_the_per_op_path \
             tests/test_loss_curve.py::test_gpu_bert_base_under_autocast_tracks_the_fp32_curve_as_the_reference_does \
             tests/test_encoder_layer.py::test_gpu_fused_layer_on_packed_tokens_matches_the_per_op_path \
