@@ -32,10 +32,13 @@ def dropout_seed(dropout_p, device):
 
 def _mul_hi_lo(constant, x):
     """High and low 32 bits of constant * x for uint32 values held in int64 (no overflow:
-    the product is formed from 16-bit halves of x)."""
-    low_part, high_part = (x & 0xFFFF) * constant, (x >> 16) * constant     # each < 2**48
-    hi = (high_part + (low_part >> 16)) >> 16
-    lo = (((high_part & 0xFFFF) << 16) + low_part) & _MASK32
+    the product is formed from 16-bit halves of x). In place on the fresh tensors: the CPU
+    twins' dropout is mostly this function (85% of a small CPU training step's time), and the
+    allocations were most of its cost (2.6x slower for the same ops out of place)."""
+    low_part = (x & 0xFFFF).mul_(constant)          # < 2**48
+    high_part = (x >> 16).mul_(constant)            # < 2**48
+    hi = (low_part >> 16).add_(high_part).bitwise_right_shift_(16)
+    lo = (high_part & 0xFFFF).bitwise_left_shift_(16).add_(low_part).bitwise_and_(_MASK32)
     return hi, lo
 
 
@@ -52,7 +55,8 @@ def philox_bits(seed, c0, c1):
     for _ in range(10):
         hi_b, lo_b = _mul_hi_lo(_ROUND_B, c2)
         hi_a, lo_a = _mul_hi_lo(_ROUND_A, c0)
-        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        # hi_b and hi_a are fresh tensors (never the caller's c0, c1): xor'ed in place.
+        c0, c1, c2, c3 = hi_b.bitwise_xor_(c1).bitwise_xor_(k0), lo_b, hi_a.bitwise_xor_(c3).bitwise_xor_(k1), lo_a
         k0, k1 = (k0 + _KEY_A) & _MASK32, (k1 + _KEY_B) & _MASK32
     return c0
 
