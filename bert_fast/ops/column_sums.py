@@ -3,8 +3,9 @@
 Such a kernel (add_layernorm's backward for d_weight, d_bias and the branch's bias, bias_act's
 for d_bias) runs a few programs per SM (_triton.reduction_programs); each sums its rows' columns
 in fp32 registers and stores one row of a (programs, ...) fp32 buffer. This op sums that buffer
-over its rows and casts the sums to the gradient's dtype, in one launch. No autograd: it is
-called inside the backward launchers, and traced with them under torch.compile.
+over its rows and casts the sums to the gradient's dtype, in one launch; joint_column_sums does
+the same for up to three such buffers in one launch (the fused encoder layer's backward). No
+autograd: it is called inside the backward launchers, and traced with them under torch.compile.
 """
 
 import torch
