@@ -287,15 +287,21 @@ def test_packed_tokens_on_the_cpu_attend_per_sequence(backend, monkeypatch):
     assert calls == ["_flash_cpu", "_flash_cpu_backward"], calls
 
 
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=[needs_kernels, pytest.mark.skipif(
+    torch.cuda.is_available() or not interpreting(), reason="the launchers on CPU tensors: interpreter only")])],
+    ids=["cpu-kernels", "through-the-kernels"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_fused_layer_on_packed_tokens_of_empty_sequences_only(backend):
+def test_fused_layer_on_packed_tokens_of_empty_sequences_only(backend, kernels):
     """Every valid_len 0: no token at all (N = 0), the output empty and the gradients zero (the
-    per-op path's attention returns a fresh empty tensor there, so W_q, W_k, W_v get None)."""
-    block = make_block(backend, use_bias=True)
+    per-op path's attention returns a fresh empty tensor there, so W_q, W_k, W_v get None).
+    Through the kernels no backward kernel runs, and the column sums come from zeroed partial
+    rows (_DeferredSums)."""
+    block = make_block(backend, use_bias=True, activation="gelu" if kernels else "relu")
     valid_lens = torch.zeros(B)
     x, grad_out, unpadding = packed_inputs(valid_lens, None)
     assert x.shape == (0, H)
-    fused, per_op = fused_and_per_op(block, x, valid_lens, grad_out, unpadding)
+    with kernels_on_cpu() if kernels else contextlib.nullcontext():
+        fused, per_op = fused_and_per_op(block, x, valid_lens, grad_out, unpadding)
     assert fused[0].shape == per_op[0].shape == (0, H)
     for name, grad in fused[2].items():
         assert grad is not None and torch.count_nonzero(grad) == 0, name
