@@ -56,7 +56,14 @@ Triton is missing), which also reduces what the host may need to know: the id ra
 lengths (the input check), the valid-token count (skip_padding), whether some row sees no key.
 The host reads those in one sync, and only when it needs one of them: with check_inputs on
 (FastBERTEncoder's default), with skip_padding and valid_lens, or in exact mode with valid_lens
-at an L between buckets. A bad value raises the eager check's ValueError before any replay.
+at an L between buckets. A bad value raises the eager check's ValueError. When the id ranges
+are all the call reads (check_inputs on, exact mode, valid_lens None or L a bucket length),
+the read waits until the replay is launched: the kernel writes ids outside the tables as 0,
+so the replay reads no table out of range (the torch backend's lookup would assert on the
+device), the stats go to a pinned host buffer behind an event, and the host waits for that
+copy alone (not for the replay) before it checks; a bad call's replay output is not returned.
+Where skip_padding's count or the keyless rows pick the graph, the read (and the check) comes
+before the replay.
 
 skip_padding. One host read per call of the number N of valid tokens (``float32(j) <
 valid_len``), rounded up by ``bucket_tokens`` (multiples of 16 up to 128, then 4 per octave,
@@ -91,9 +98,13 @@ hook), children, parameters and buffers by identity only when some module of the
 registered a parameter, buffer or submodule since the last check (torch's global registration
 hooks count them: assignment, ``register_*``, ``add_module``, ``load_state_dict(assign=True)``).
 A 12-layer encoder (195 parameters, 196 modules) took ~24 us a check that way on the CI
-machine's CPU, against ~41 us comparing everything every call (2026-11-26, interleaved). The replay it guards
-is asynchronous and its 12 layers of kernels take longer than that on the GPU. Any difference
-drops every graph of the encoder. Not followed: attributes changed by hand on submodules
+machine's CPU, against ~41 us comparing everything every call (2026-11-26, interleaved). The
+check runs after the replay is launched, while the GPU runs it (the first call, and a call
+that captures, check first): the snapshot keeps the storages of the tensors it saw alive, so a
+replay of a changed tree reads valid (stale) memory; the call then waits for that replay,
+discards its output and runs again, checking first. (So memory replaced since the last call
+is released at the next call, or by ``clear_cuda_graphs``; a call on CPU inputs, e.g. after
+``.cpu()``, drops the snapshot.) Any difference drops every graph of the encoder. Not followed: attributes changed by hand on submodules
 (activation, eps, num_heads, hooks added after capture), and writes into a module's
 ``_modules``/``_parameters``/``_buffers`` dicts that keep their lengths: call
 ``clear_cuda_graphs(encoder)`` after those.
@@ -112,9 +123,14 @@ captures and given warnings); ``torch.cuda.empty_cache()`` then returns the memo
 driver. ``cuda_graph_stats(encoder)`` shows the buckets held and counts captures, replays,
 evictions, invalidations and eager calls.
 
-Per call, a replay costs on the host: the snapshot check above, the input check of shapes and
-dtypes (no tensor op), the staging launch and its host read when needed (above), the replay
-and the output copy: on a GPU 3 launches, and one sync where a value is read. Measured with
+Per call, a replay costs on the host: the input check of shapes and dtypes (no tensor op),
+the staging launch and its host read when needed (above), the replay, then the snapshot check
+and the deferred read of the id ranges, and the output copy: on a GPU 3 launches (4 with the
+deferred read's copy), and one sync where a value is read. On the CPU VM, replay stubbed
+(``scripts/graph_call_host.py``: 12 layers H 64, B1 L16, GPU path, 2026-11-26): 48 us of 90 a
+call come before the launch, against 76 of 83 when the tree check and the read came first;
+111 of 176 against 147 of 161 right after an eager reference forward (cold caches). Not yet
+measured on a GPU, where the work after the launch overlaps the replay. Measured with
 ``python -m bert_fast.bench --suite host --modes "cuda_graphs forward"`` on the CI machine's
 CPU, the replay stubbed (12 layers, H 64, B1 L8, 1-D valid_lens, the row "fast[triton] GPU
 path": the staging kernel compiled for sm_90, its launch counted instead of made), 2026-11-26:
@@ -541,6 +557,43 @@ class _CudaGraphSteps:
             stream.wait_stream(previous)
         return stream
 
+    def read_later(self, stats, state):
+        """A transfer of ``stats`` (a small int64 tensor) to the host that does not wait now: its
+        ``read()`` waits for the transfer alone (on CUDA, not for the work queued after it)."""
+        if stats.device.type != "cuda":
+            return _ReadNow(stats)
+        if state.host_stats is None:
+            with torch.inference_mode(False):       # an ordinary tensor: every call copies into it
+                state.host_stats = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
+            state.stats_read = torch.cuda.Event()
+        return _PinnedRead(stats, state.host_stats, state.stats_read)
+
+    def wait(self, device):
+        """Until the work queued on the caller's stream (a replay) has run."""
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+
+
+class _ReadNow:
+    def __init__(self, stats):
+        self.stats = stats
+
+    def read(self):
+        return self.stats.tolist()
+
+
+class _PinnedRead:
+    """stats copied into a pinned host buffer on the current stream, an event after the copy."""
+
+    def __init__(self, stats, host, event):
+        host.copy_(stats, non_blocking=True)
+        event.record(torch.cuda.current_stream(stats.device))
+        self.host, self.event = host, event
+
+    def read(self):
+        self.event.synchronize()
+        return self.host.tolist()
+
 
 _steps = _CudaGraphSteps()
 
@@ -588,6 +641,10 @@ class _ModuleSnapshot:
                     if t is not None and type(t) not in (torch.Tensor, nn.Parameter):
                         raise TypeError(f"{type(t).__name__} {name!r}")
                     self.tensors.append((table, name, t, 0 if t is None else t.data_ptr()))
+        # Their storages, kept alive while the snapshot is: a replay launched before check() may
+        # read a tensor's old memory (``p.data = ...`` releases it, and empty_cache() could hand
+        # it back to the driver before the replay runs).
+        self.storages = [t.untyped_storage() for _, _, t, _ in self.tensors if t is not None]
         self.params = tuple(encoder.parameters())
         self.submodules = tuple(child for _, _, child in self.children)
         self.addressed = tuple((t, address) for _, _, t, address in self.tensors if t is not None)
@@ -668,23 +725,28 @@ class _InputSlot:
         if clamp:                          # padded keys invisible: float32(j) < L <= j
             region.clamp_(max=seqlen)
 
-    def stage(self, inputs, full_lengths, clamp, values=False, tokens=False, keyless=False):
+    def stage(self, inputs, full_lengths, clamp, values=False, tokens=False, keyless=False, id_limits=None):
         """fill(), by one kernel launch where graph_inputs.uses_kernel. Returns the STATS tensor
         (on the inputs' device), of which the parts asked for (graph_inputs.input_stats' flags)
-        are valid (the kernel computes them all, always), or None if none is asked for."""
+        are valid (the kernel computes them all, always), or None if none is asked for.
+        ``id_limits``: the buffers get 0 for ids outside the tables (graph_inputs.guard_ids)."""
         ids, segments, lengths = inputs
         if graph_inputs.uses_kernel(ids):
             self.filled = "all"
             try:
                 return graph_inputs.stage_inputs(inputs, self.buffers, self.stats, full_length=full_lengths,
-                                                 clamp=clamp)
+                                                 clamp=clamp, id_limits=id_limits)
             except Exception as error:      # e.g. Triton cannot compile for this GPU: PyTorch ops instead
                 graph_inputs.kernel_failed(ids.device, error)
         self.fill(inputs, full_lengths, clamp)
-        if not (values or tokens or keyless):
-            return None
-        return graph_inputs.input_stats(self.buffers, *ids.shape, has_segments=segments is not None,
-                                        has_lengths=lengths is not None, values=values, tokens=tokens, keyless=keyless)
+        stats = None
+        if values or tokens or keyless:
+            stats = graph_inputs.input_stats(self.buffers, *ids.shape, has_segments=segments is not None,
+                                             has_lengths=lengths is not None, values=values, tokens=tokens,
+                                             keyless=keyless)
+        if id_limits is not None:
+            graph_inputs.guard_ids(self.buffers, *ids.shape, id_limits)
+        return stats
 
 
 class _BucketGraph:
@@ -709,7 +771,11 @@ class _EncoderGraphs:
         self.snapshot = None
         self.pool = None
         self.stream = None
+        self.host_stats = self.stats_read = None      # _steps.read_later's pinned buffer and event
         self.stats = collections.Counter()
+
+    def read_later(self, stats):
+        return _steps.read_later(stats, self)
 
     def slot(self, bucket, ids_dtype, segments_dtype, device):
         """The _InputSlot of a bucket's padded shape, made on first use (zeros)."""
@@ -887,15 +953,26 @@ class _Calls:
     def check_values(self, stats, inputs):
         """Raise for bad input values, given the staged stats (read when reads() asked for values)."""
 
-    def stage(self, slot_for, bucket, inputs):
+    def id_limits(self):
+        """The rows of the token and segment tables (where reads() asks for values)."""
+        raise NotImplementedError
+
+    def stage(self, slot_for, bucket, inputs, state):
         """Write the inputs into the static buffers of ``slot_for(bucket)`` (an _InputSlot), one
         launch on CUDA, and read what reads() asks for in one host read: raises for bad values,
-        sets skip_padding's token bucket, or restages at the exact L. Returns (bucket, slot)."""
+        sets skip_padding's token bucket, or restages at the exact L. Returns (bucket, slot,
+        pending). When only the values are asked for, the read waits: the buffers get in-range
+        ids (bad ones as 0), so the graph may replay first, and ``pending`` is the stats'
+        transfer (``state.read_later``) that check_pending() reads and checks after the launch;
+        else None."""
         values, tokens, keyless = self.reads(bucket, inputs)
         slot = slot_for(bucket)
+        if values and not (tokens or keyless):
+            stats = slot.stage(inputs, *self.fill_args(bucket, inputs), values=True, id_limits=self.id_limits())
+            return bucket, slot, state.read_later(stats)
         stats = slot.stage(inputs, *self.fill_args(bucket, inputs), values=values, tokens=tokens, keyless=keyless)
         if not (values or tokens or keyless):
-            return bucket, slot
+            return bucket, slot, None
         stats = dict(zip(graph_inputs.STATS, stats.tolist()))        # the one host read
         if values:
             self.check_values(stats, inputs)
@@ -907,7 +984,12 @@ class _Calls:
             bucket = bucket._replace(seqlen=seqlen, lengths_shape=lengths_shape)
             slot = slot_for(bucket)
             slot.stage(inputs, *self.fill_args(bucket, inputs))
-        return bucket, slot
+        return bucket, slot, None
+
+    def check_pending(self, pending, inputs):
+        """Read the stats that stage() left pending (None: nothing) and raise for bad values."""
+        if pending is not None:
+            self.check_values(dict(zip(graph_inputs.STATS, pending.read())), inputs)
 
     def settings(self, device):
         """What the captured work depends on beyond the shapes, global switches and ids' dtypes."""
@@ -986,6 +1068,9 @@ class _EncoderCalls(_Calls):
         raise_for_values(stats["token_min"], stats["token_max"], stats["segment_min"], stats["segment_max"],
                          stats["nan_lengths"] > 0, self.module.token_embedding.num_embeddings)
 
+    def id_limits(self):
+        return self.module.token_embedding.num_embeddings, self.module.segment_embedding.num_embeddings
+
     def settings(self, device):
         encoder = self.module
         return (encoder.pos_embedding.dtype, graph_backend_for(encoder.backend, device), bool(encoder.skip_padding))
@@ -1043,10 +1128,16 @@ def _capture(calls, state, key, slot, limit, num_tokens):
     return entry
 
 
-def graphed(calls, inputs):
+def graphed(calls, inputs, *, tree_checked_first=False):
     """The forward of ``calls.module`` with cuda_graphs on: replay the CUDA graph of the call's
     shape bucket, capturing it on the bucket's first call; the eager forward where graphs do
-    not apply. ``calls``: a _Calls for the module. See the module docstring."""
+    not apply. ``calls``: a _Calls for the module. See the module docstring.
+
+    What can wait is done after the replay is launched, while the GPU runs it: the module-tree
+    check (unless ``tree_checked_first``) and the read of the id ranges. A replay they find
+    wrong is not returned: a changed tree (its replaced tensors are kept alive by the snapshot
+    until the replay has run) makes the call again, checking first; bad ids (staged as 0)
+    raise."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or not calls.understood(inputs):
         return calls.eager(inputs)
     module = calls.module
@@ -1054,25 +1145,28 @@ def graphed(calls, inputs):
     ids, segments, _ = inputs
     device = ids.device
     if not _steps.supports(device):
+        state.snapshot = None           # nor keep its tensors alive (a model moved to the CPU frees them)
         return _eager(calls, state, "device", inputs, device=device)
     if _steps.capturing(device):
         return calls.eager(inputs)        # the outer capture records the eager forward
     if module.training:
         return _eager(calls, state, "training", inputs)
     snapshot = state.snapshot
-    problem = snapshot.check() if snapshot is not None else "changed"
-    if problem == "changed":
-        if state.graphs:
-            state.stats["invalidations"] += 1
-        state.drop_graphs()
-        try:
-            snapshot = state.snapshot = _ModuleSnapshot(module)
-        except TypeError as error:
-            state.snapshot = None
-            return _eager(calls, state, "parameters", inputs, detail=error)
-        problem = snapshot.check()
-    if problem == "training":
-        return _eager(calls, state, "training", inputs)
+    if snapshot is None or tree_checked_first:
+        problem = snapshot.check() if snapshot is not None else "changed"
+        if problem == "changed":
+            if state.graphs:
+                state.stats["invalidations"] += 1
+            state.drop_graphs()
+            try:
+                snapshot = state.snapshot = _ModuleSnapshot(module)
+            except TypeError as error:
+                state.snapshot = None
+                return _eager(calls, state, "parameters", inputs, detail=error)
+            problem = snapshot.check()
+        if problem == "training":
+            return _eager(calls, state, "training", inputs)
+        tree_checked_first = True
     if torch.is_grad_enabled() and any(p.requires_grad for p in snapshot.params):
         return _eager(calls, state, "autograd", inputs)
     if not calls.graphable(inputs):
@@ -1084,17 +1178,19 @@ def graphed(calls, inputs):
     with torch.no_grad():      # a float valid_lens that requires grad must not reach the buffers' autograd
         # The buffers are written on the caller's stream, after the last replay's reads of them.
         state.stream = _steps.order_after(state.stream, device)
-        bucket, slot = calls.stage(lambda b: state.slot(b, ids.dtype, segments_dtype, device),
-                                   calls.plan(inputs), inputs)
+        bucket, slot, pending = calls.stage(lambda b: state.slot(b, ids.dtype, segments_dtype, device),
+                                            calls.plan(inputs), inputs, state)
         key = (bucket, ids.dtype, segments_dtype, device, settings)
         entry = state.graphs.get(key)
-        if entry is not None:
-            state.graphs.move_to_end(key)
-        elif key in state.failed:
-            state.stats["eager_capture"] += 1
-            state.prune_slots()
-            return _eager_checked(calls, inputs)
-        else:
+        if entry is None:
+            # Capture (or run eagerly) on a checked tree and checked values.
+            if not tree_checked_first and snapshot.check() is not None:
+                return graphed(calls, inputs, tree_checked_first=True)
+            calls.check_pending(pending, inputs)
+            if key in state.failed:
+                state.stats["eager_capture"] += 1
+                state.prune_slots()
+                return _eager_checked(calls, inputs)
             limit = _max_graphs(module)
             try:
                 entry = _capture(calls, state, key, slot, limit, bucket.num_tokens)
@@ -1112,8 +1208,14 @@ def graphed(calls, inputs):
                 _fall_back(module, state, "capture", detail=_describe_bucket(bucket, calls.lengths_name),
                            error=line[:300])
                 return out
-        state.stats["replays"] += 1
+        else:
+            state.graphs.move_to_end(key)
         entry.graph.replay()
+        if not tree_checked_first and snapshot.check() is not None:
+            _steps.wait(device)          # the replay read the tensors the check found replaced
+            return graphed(calls, inputs, tree_checked_first=True)
+        calls.check_pending(pending, inputs)
+        state.stats["replays"] += 1
         return calls.result(entry.output, *ids.shape)
 
 

@@ -125,14 +125,16 @@ class StubGraph:
             self.steps.active = False
 
 
-class StubSteps:
+class StubSteps(cuda_graph._CudaGraphSteps):
     """cuda_graph._steps on the CPU: "capture" runs the forward once on the static buffers and
     keeps its output; "replay" runs it again there, writing that output in place. ``active``
-    is True while either runs (what the graph would contain); ``fail`` makes captures raise."""
+    is True while either runs (what the graph would contain); ``fail`` makes captures raise;
+    ``waits`` counts the waits for a replay. The stats' reads are the base class's (on the CPU:
+    at once)."""
 
     def __init__(self, fail=False):
         self.fail = fail
-        self.attempts = self.replays = 0
+        self.attempts = self.replays = self.waits = 0
         self.active = False
         self.inference_mode_at_capture = []
         self.pools = []         # the pool of every capture attempt
@@ -148,6 +150,9 @@ class StubSteps:
 
     def order_after(self, previous, device):
         return None
+
+    def wait(self, device):
+        self.waits += 1
 
     def capture(self, run, device, pool):
         self.attempts += 1

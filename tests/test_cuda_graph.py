@@ -34,6 +34,7 @@ from bert_fast.cuda_graph import (CudaGraphFallbackWarning, GraphedEncoder, buck
                                   bucket_tokens, capture_encoder, clear_cuda_graphs, cuda_graph_stats)
 from tests.helpers import (BF16_OK, FLOOR, StubSteps, assert_close, assert_within_rule, encoder_config, max_err,
                            needs_cuda, random_inputs)
+from tests.isolated import call_in_child
 
 B, L = 3, 37          # L not a multiple of 16
 VOCAB = 50            # encoder_config's default vocab_size
@@ -765,7 +766,30 @@ def test_replaced_parameters_invalidate(stub, change):
     assert_eager_result(graphed(encoder, tokens, segments, valid_lens), after, f"after {change.__name__}")
     stats = cuda_graph_stats(encoder)
     assert stub.attempts == 3 and stats["invalidations"] == 1
+    # The tree is checked after the replay's launch: that replay ran (the third of four: one a
+    # capture, and the made-again call's), was waited for, and the call made again, checking first.
+    assert stub.replays == 4 and stub.waits == 1
     assert len(stats["buckets"]) == 1, "the other bucket's graph was not dropped"
+
+
+def test_snapshot_keeps_replaced_memory_alive(stub):
+    """A replay launched before the tree check reads the captured tensors' memory: a tensor
+    given new memory (``p.data = ...``) keeps its old storage alive through the snapshot until
+    the next call has checked, and a call on CPU inputs (a model moved off the GPU) lets go."""
+    encoder = auto_encoder()
+    tokens, segments = random_inputs(B, 32, VOCAB)
+    graphed(encoder, tokens, segments)
+    weight = encoder.blks[0].ffn.dense1.weight
+    address = weight.data_ptr()
+    weight.data = weight.data.clone()
+    state = cuda_graph._state_of(encoder)
+    assert any(storage.data_ptr() == address for storage in state.snapshot.storages)
+    assert_eager_result(graphed(encoder, tokens, segments), eager_forward(encoder, tokens, segments))
+    assert not any(storage.data_ptr() == address for storage in state.snapshot.storages)
+    stub.supports = lambda device: False
+    with pytest.warns(CudaGraphFallbackWarning):
+        graphed(encoder, tokens, segments)
+    assert state.snapshot is None
 
 
 def test_calls_register_nothing_and_other_registrations_keep_the_graphs(stub):
@@ -1059,26 +1083,35 @@ def test_input_check_runs_before_capture_and_replay(stub, monkeypatch):
     assert not any(reads + checks), "an input check ran inside a capture or replay"
 
 
+@pytest.mark.parametrize("seqlen", [L, 32], ids=["L_padded", "L_bucket"])
 @pytest.mark.parametrize("skip_padding", [False, True], ids=["exact", "skip_padding"])
-def test_input_check_from_the_staged_inputs(stub, staging, skip_padding):
-    """Each bad value gets the eager check's error before any replay, whichever way the inputs
-    are staged; valid calls after them replay (the buffers hold the valid call's values)."""
+def test_input_check_from_the_staged_inputs(stub, staging, skip_padding, seqlen):
+    """Each bad value gets the eager check's error, whichever way the inputs are staged; valid
+    calls after them replay (the buffers hold the valid call's values). Where the call needs no
+    other read (exact mode at a bucket length) the replay is launched before the values are
+    read: it must find the bad ids staged as 0 (the torch backend's CPU lookup, which the stub's
+    replay runs, raises IndexError for an id out of range), and its output is not returned.
+    Elsewhere the check comes before any replay."""
+    after_launch = not skip_padding and seqlen == 32
     encoder = auto_encoder(skip_padding=skip_padding)
-    tokens, segments = random_inputs(B, L, VOCAB)
-    valid_lens = lengths("1d_float_pos", B, L)
+    tokens, segments = random_inputs(B, seqlen, VOCAB)
+    valid_lens = lengths("1d_float_pos", B, seqlen)
     expected = eager_forward(encoder, tokens, segments, valid_lens)
     assert_eager_result(graphed(encoder, tokens, segments, valid_lens), expected)
     low, high, bad_segments, nan_lens = tokens.clone(), tokens.clone(), segments.clone(), valid_lens.clone()
-    low[0, 3], high[2, L - 1], bad_segments[1, 0], nan_lens[2] = -1, VOCAB, 2, float("nan")
+    low[0, 3], high[2, seqlen - 1], bad_segments[1, 0], nan_lens[2] = -1, VOCAB, 2, float("nan")
+    id_buffer, segment_buffer, _ = next(iter(cuda_graph._state_of(encoder).slots.values())).buffers
     for args, message in [((low, segments, valid_lens), rf"token ids must be in \[0, {VOCAB}\), got values in \[-1, "),
                           ((high, segments, valid_lens), rf"token ids must be in \[0, {VOCAB}\), got values in \[0, {VOCAB}\]"),
                           ((tokens, bad_segments, valid_lens), r"segment ids must be 0 or 1, got values in \[0, 2\]"),
                           ((tokens, segments, nan_lens), r"valid_lens contains NaN")]:
         with pytest.raises(ValueError, match=message):
             graphed(encoder, *args)
-    assert stub.replays == 1
+        if after_launch:
+            assert 0 <= int(id_buffer.min()) and int(id_buffer.max()) < VOCAB and int(segment_buffer.max()) <= 1
+    assert stub.replays == (5 if after_launch else 1)
     assert_eager_result(graphed(encoder, tokens, segments, valid_lens), expected, "after the errors")
-    assert stub.attempts == 1 and stub.replays == 2
+    assert stub.attempts == 1 and stub.replays == (6 if after_launch else 2)
 
 
 def test_staging_kernel_failure_falls_back_to_torch_ops(stub, monkeypatch):
@@ -1173,6 +1206,37 @@ def test_auto_graph_matches_eager(backend, dtype, case, skip_padding):
         assert not torch.equal(out, encoder._forward(*first)), "the replay did not follow the new inputs"
     # Another shape of the same (B, L) bucket.
     assert_graphed_within_rule(reference, encoder, auto_gpu_inputs(4, 45, case), "(4, 45)")
+
+
+def bad_ids_after_the_launch(backend):
+    """In a child process: at L 32 (a bucket length) with valid_lens None the value check reads
+    the staged id ranges after the replay is launched. The replay must read the bad ids staged as
+    0 (the torch backend's lookup is F.embedding, whose device-side assert would end the CUDA
+    context), the call raise the check's error, and the next call replay correctly."""
+    require_backend(backend)
+    _, encoder = auto_gpu_pair(backend, torch.float32)
+    tokens, segments, _ = auto_gpu_inputs(B, 32, "none")
+    with torch.inference_mode():
+        encoder(tokens, segments)
+        for bad_tokens, bad_segments in [(tokens.clone().fill_(VOCAB), segments), (tokens.clone().fill_(-1), segments),
+                                         (tokens, segments + 1)]:
+            try:
+                encoder(bad_tokens, bad_segments)
+            except ValueError as error:
+                assert "ids must be" in str(error), error
+            else:
+                raise AssertionError("bad ids gave no error")
+        actual, expected = encoder(tokens, segments), encoder._forward(tokens, segments)
+    torch.cuda.synchronize()
+    assert_close(actual, expected, atol=FLOOR[torch.float32], what="after the bad calls")
+    assert cuda_graph_stats(encoder)["replays"] == 2
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_auto_graph_bad_ids_checked_after_the_launch(backend):
+    require_backend(backend)
+    call_in_child(bad_ids_after_the_launch, backend)
 
 
 @needs_cuda

@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from bert_fast.ops import graph_inputs
-from bert_fast.ops.graph_inputs import STATS, input_stats, stage_inputs
+from bert_fast.ops.graph_inputs import STATS, guard_ids, input_stats, stage_inputs
 from tests.helpers import DEVICE, needs_kernels
 
 
-def expected(inputs, buffers_shape, length_dtype, *, full_length, clamp):
-    """Buffers filled with PyTorch ops as the kernel must fill them, and their input_stats."""
+def expected(inputs, buffers_shape, length_dtype, *, full_length, clamp, id_limits=None):
+    """Buffers filled with PyTorch ops as the kernel must fill them, and their input_stats (of
+    the ids given, before ``id_limits`` guard them)."""
     ids, segments, lengths = inputs
     batch, seqlen = ids.shape
     padded_batch, padded_seqlen = buffers_shape
@@ -37,6 +38,8 @@ def expected(inputs, buffers_shape, length_dtype, *, full_length, clamp):
             region.clamp_(max=seqlen)
     buffers = (id_buffer, segment_buffer, length_buffer)
     stats = input_stats(buffers, batch, seqlen, has_segments=segments is not None, has_lengths=lengths is not None)
+    if id_limits is not None:
+        guard_ids(buffers, batch, seqlen, id_limits)
     return buffers, stats
 
 
@@ -97,14 +100,27 @@ def test_stage_inputs_matches_torch(lengths_case, shape, buffers_shape, clamp, m
                torch.full(lengths_shape, 7, dtype=length_dtype, device=DEVICE))
     stats = torch.full((len(STATS),), -5, dtype=torch.int64, device=DEVICE)
     inputs = (ids, segments, lengths)
-    out = stage_inputs(inputs, buffers, stats, full_length=seqlen, clamp=clamp)
-    want_buffers, want_stats = expected(inputs, buffers_shape, length_dtype, full_length=seqlen, clamp=clamp)
+    # Half the cases guard the ids (token table of 40 rows, 2 segments): ids -2..49 and
+    # segments 0..2 fall on both sides.
+    id_limits = (40, 2) if clamp else None
+    out = stage_inputs(inputs, buffers, stats, full_length=seqlen, clamp=clamp, id_limits=id_limits)
+    want_buffers, want_stats = expected(inputs, buffers_shape, length_dtype, full_length=seqlen, clamp=clamp,
+                                        id_limits=id_limits)
     assert out is stats
     for name, got, want in zip(("ids", "segments", "lengths"), buffers, want_buffers):
         assert got.dtype == want.dtype
         assert torch.equal(got.isnan(), want.isnan()) if got.is_floating_point() else True, name
         assert torch.equal(torch.nan_to_num(got, nan=-99.0), torch.nan_to_num(want, nan=-99.0)), name
     assert dict(zip(STATS, stats.tolist())) == dict(zip(STATS, want_stats.tolist()))
+
+
+def test_guard_ids_zeroes_ids_outside_the_tables():
+    """guard_ids on values worked out by hand: only the (batch, seqlen) corner is touched."""
+    ids = torch.tensor([[4, -1, 10], [9, 3, 12]])
+    segments = torch.tensor([[0, 2, 1], [-3, 1, 5]], dtype=torch.int32)
+    guard_ids((ids, segments, None), 1, 3, (10, 2))
+    assert ids.tolist() == [[4, 0, 0], [9, 3, 12]]
+    assert segments.tolist() == [[0, 0, 1], [-3, 1, 5]]
 
 
 def test_input_stats_counts():

@@ -46,15 +46,19 @@ BLOCK_B, BLOCK_L = 16, 128       # the tile a loop step handles
 # The sizes are not specialised on (Triton would compile a variant for a size of 1 and for
 # multiples of 16), nor is the tile: the kernel compiles once per kind of input (dtypes, which
 # inputs are None, 1-D or 2-D lengths, clamping), not per graph bucket.
-@triton.jit(do_not_specialize=["batch", "seqlen", "padded_batch", "padded_seqlen", "full_length"])
+@triton.jit(do_not_specialize=["batch", "seqlen", "padded_batch", "padded_seqlen", "full_length", "id_limit",
+                               "segment_limit"])
 def _stage_inputs_kernel(ids, ids_stride_b, ids_stride_l, segments, segments_stride_b, segments_stride_l,
                          lengths, lengths_stride_b, lengths_stride_l,
                          id_buffer, segment_buffer, length_buffer, stats,
-                         batch, seqlen, padded_batch, padded_seqlen, full_length,
+                         batch, seqlen, padded_batch, padded_seqlen, full_length, id_limit, segment_limit,
                          HAS_SEGMENTS: tl.constexpr, LENGTHS: tl.constexpr, MASK: tl.constexpr,
-                         CLAMP: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr):
+                         CLAMP: tl.constexpr, GUARD_IDS: tl.constexpr, BLOCK_B: tl.constexpr,
+                         BLOCK_L: tl.constexpr):
     # LENGTHS: 0 none (full_length for the real rows), 1 one per row, 2 one per query; MASK: the
     # lengths are an attention mask (B, L) and the buffer bool (nonzero = attend; none: all).
+    # GUARD_IDS: ids outside [0, id_limit) and segments outside [0, segment_limit) are written
+    # as 0 (the stats keep the given ones).
     big = tl.full((), 9223372036854775807, tl.int64)      # int64's largest
     token_min, token_max = big, -big
     segment_min, segment_max = big, -big
@@ -83,14 +87,21 @@ def _stage_inputs_kernel(ids, ids_stride_b, ids_stride_l, segments, segments_str
             in_buffer = buffer_row[:, None] & (cols < padded_seqlen)[None, :]
             slots = rows[:, None] * padded_seqlen + cols[None, :]
             token = tl.load(ids + rows[:, None] * ids_stride_b + cols[None, :] * ids_stride_l, mask=real, other=0)
-            tl.store(id_buffer + slots, token, mask=in_buffer)
+            if GUARD_IDS:
+                tl.store(id_buffer + slots, tl.where((token >= 0) & (token < id_limit), token, 0), mask=in_buffer)
+            else:
+                tl.store(id_buffer + slots, token, mask=in_buffer)
             token = token.to(tl.int64)
             token_min = tl.minimum(token_min, tl.min(tl.where(real, token, big)))
             token_max = tl.maximum(token_max, tl.max(tl.where(real, token, -big)))
             if HAS_SEGMENTS:
                 segment = tl.load(segments + rows[:, None] * segments_stride_b + cols[None, :] * segments_stride_l,
                                   mask=real, other=0)
-                tl.store(segment_buffer + slots, segment, mask=in_buffer)
+                if GUARD_IDS:
+                    tl.store(segment_buffer + slots, tl.where((segment >= 0) & (segment < segment_limit), segment, 0),
+                             mask=in_buffer)
+                else:
+                    tl.store(segment_buffer + slots, segment, mask=in_buffer)
                 segment = segment.to(tl.int64)
                 segment_min = tl.minimum(segment_min, tl.min(tl.where(real, segment, big)))
                 segment_max = tl.maximum(segment_max, tl.max(tl.where(real, segment, -big)))
@@ -154,11 +165,13 @@ def _strides(t):
     return (t.stride(0), t.stride(1) if t.dim() == 2 else 0)
 
 
-def stage_inputs(inputs, buffers, stats, *, full_length, clamp):
+def stage_inputs(inputs, buffers, stats, *, full_length, clamp, id_limits=None):
     """Write ``inputs`` (ids (B, L), segments (B, L) or None, lengths None, (B,) or (B, L))
     into ``buffers`` (ids and segments (B_b, L_b), lengths (B_b,) or (B_b, L_b), contiguous,
     B_b >= B, L_b >= L), and the STATS of the call into ``stats`` (7 int64): one launch. A bool
-    lengths buffer (B_b, L_b) takes an attention mask (nonzero = attend; None: every token)."""
+    lengths buffer (B_b, L_b) takes an attention mask (nonzero = attend; None: every token).
+    ``id_limits`` (the token and segment tables' rows): ids outside them are written as 0, so a
+    replay that runs before the host has read the stats reads no table out of range."""
     ids, segments, lengths = inputs
     id_buffer, segment_buffer, length_buffer = buffers
     batch, seqlen = ids.shape
@@ -170,8 +183,9 @@ def stage_inputs(inputs, buffers, stats, *, full_length, clamp):
         ids if lengths is None else lengths, *(_strides(lengths) if lengths is not None else (0, 0)),
         id_buffer, segment_buffer, length_buffer, stats,
         batch, seqlen, padded_batch, padded_seqlen, int(full_length),    # (an HF mask's default is True)
+        *(id_limits or (0, 0)),
         HAS_SEGMENTS=segments is not None, LENGTHS=mode, MASK=length_buffer.dtype == torch.bool, CLAMP=bool(clamp),
-        BLOCK_B=BLOCK_B, BLOCK_L=BLOCK_L, num_warps=8)
+        GUARD_IDS=id_limits is not None, BLOCK_B=BLOCK_B, BLOCK_L=BLOCK_L, num_warps=8)
     return stats
 
 
@@ -207,3 +221,11 @@ def input_stats(buffers, batch, seqlen, *, has_segments, has_lengths, values=Tru
     if keyless and region is not None:
         stats[6] = (~(region > 0)).sum()
     return torch.stack([as_dtype(s, torch.int64) for s in stats])
+
+
+def guard_ids(buffers, batch, seqlen, id_limits):
+    """What stage_inputs' ``id_limits`` does, with PyTorch ops on buffers the caller filled
+    (after input_stats read them): ids outside the tables' rows become 0."""
+    for buffer, limit in zip(buffers[:2], id_limits):
+        region = buffer[:batch, :seqlen]
+        region.masked_fill_((region < 0) | (region >= limit), 0)
