@@ -259,7 +259,7 @@ def run_workload(dtype, num_heads, head_dim, batch=2, seqlen=24):
 def stage_graph_inputs(tokens, segments, valid_lens_forms):
     """cuda_graphs=True's staging kernel (ops.graph_inputs) for each lengths form (none, 1-D,
     2-D; int, float, half; attention masks), with and without segments and clamping, int64 and
-    int32 ids."""
+    int32 ids; with segments the ids guarded (as when the value check reads after the replay)."""
     from .ops import graph_inputs
     batch, seqlen = tokens.shape
     stats = torch.zeros(len(graph_inputs.STATS), dtype=torch.int64)
@@ -271,7 +271,8 @@ def stage_graph_inputs(tokens, segments, valid_lens_forms):
             buffers = (torch.zeros(batch + 1, seqlen + 8, dtype=ids.dtype), torch.zeros(batch + 1, seqlen + 8,
                        dtype=ids.dtype), torch.zeros(lengths_shape, dtype=lengths_dtype))
             graph_inputs.stage_inputs((ids, segment_ids, lengths), buffers, stats, full_length=seqlen,
-                                      clamp=lengths is not None)
+                                      clamp=lengths is not None,
+                                      id_limits=None if segment_ids is None else (int(tokens.max()) + 1, 2))
     # Hugging Face models' attention masks: a bool buffer, the mask given or None.
     for mask in (None, torch.ones(batch, seqlen, dtype=torch.int64)):
         buffers = (torch.zeros(batch + 1, seqlen + 8, dtype=tokens.dtype),
