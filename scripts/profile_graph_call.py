@@ -10,7 +10,10 @@ default) and off, and for capture_encoder: the median µs a call timed that way,
 call back to back (one synchronize per 20 calls, so host work may overlap the replays), the
 median µs a call timed that way right after an eager reference forward (untimed; the suite runs
 its other methods between two calls of one: on the CPU VM, replay stubbed, the automatic graph's
-host work went from ~70-90 µs a call to ~230-420 µs after one, caches and predictors cold), and the
+host work went from ~70-90 µs a call to ~230-420 µs after one, caches and predictors cold), for
+the automatic graphs the median µs from a synchronised call's start to its replay's launch (the
+host work the GPU waits for; the module-tree check and the id-range read come after the launch
+since the evening of 2026-11-26: scripts/graph_call_host.py measures the split on a CPU), and the
 Python functions taking the most host time over ``--calls`` calls (cProfile; time inside torch's
 C++ calls, such as a host read's wait, shows under the calling builtin). A GPU tool for
 scripts/gpu_session.sh's `profile-graph-call` step; it changes nothing.
@@ -25,6 +28,7 @@ import time
 
 import torch
 
+from bert_fast import cuda_graph
 from bert_fast.bench_common import encoder_config, fast_encoder_sharing, make_inputs
 from bert_fast.bench_suite import SHAPES
 from bert_fast.cuda_graph import capture_encoder
@@ -61,6 +65,45 @@ def per_call_us(call, calls, synchronize_each, between=None):
     return statistics.median(samples)
 
 
+class _StampedGraph:
+    """A captured graph whose replay notes when it was launched."""
+
+    def __init__(self, graph, stamps):
+        self.graph, self.stamps = graph, stamps
+
+    def replay(self):
+        self.stamps.append(time.perf_counter())
+        self.graph.replay()
+
+
+class _StampingSteps(cuda_graph._CudaGraphSteps):
+    """The automatic graphs' device steps, their graphs stamped (_StampedGraph)."""
+
+    def __init__(self, stamps):
+        self.stamps = stamps
+
+    def capture(self, run, device, pool):
+        graph, output = super().capture(run, device, pool)
+        return _StampedGraph(graph, self.stamps), output
+
+
+def to_launch_us(call, calls, stamps, between=None):
+    """Median µs from a synchronised call's start to its replay's launch (the host work that
+    no GPU work overlaps); ``between`` as in per_call_us."""
+    samples = []
+    for _ in range(calls):
+        if between is not None:
+            between()
+        torch.cuda.synchronize()
+        stamps.clear()
+        start = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        if stamps:
+            samples.append((stamps[0] - start) * 1e6)
+    return statistics.median(samples) if samples else float("nan")
+
+
 def top_functions(call, calls, lines):
     profile = cProfile.Profile()
     torch.cuda.synchronize()
@@ -89,6 +132,8 @@ def main():
     eager = BERTEncoder(**config).to(device=device, dtype=torch.bfloat16).eval()
     inputs = tuple(make_inputs(shape.batch, shape.seq, shape.min_len_frac, config["vocab_size"], 0, device))
     methods = {}
+    stamps = []
+    cuda_graph._steps = _StampingSteps(stamps)
     for check in (True, False):
         encoder = fast_encoder_sharing(eager, config, backend="auto", cuda_graphs=True, check_inputs=check)
         methods[f"cuda_graphs=True, check_inputs={check}"] = lambda encoder=encoder: encoder(*inputs)
@@ -106,6 +151,10 @@ def main():
             after_eager = per_call_us(call, options.calls, synchronize_each=True, between=lambda: eager(*inputs))
             print(f"\n## {name}: {each:.0f} µs a call synchronised, {back_to_back:.0f} µs back to back, "
                   f"{after_eager:.0f} µs synchronised after an eager reference forward")
+            if name.startswith("cuda_graphs"):
+                print(f"from the call to its replay's launch: {to_launch_us(call, options.calls, stamps):.0f} µs "
+                      f"synchronised, {to_launch_us(call, options.calls, stamps, lambda: eager(*inputs)):.0f} µs "
+                      f"after an eager reference forward")
             print(top_functions(call, options.calls, options.lines))
 
 
