@@ -58,8 +58,8 @@ The host reads those in one sync, and only when it needs one of them: with check
 (FastBERTEncoder's default), with skip_padding and valid_lens, or in exact mode with valid_lens
 at an L between buckets. A bad value raises the eager check's ValueError. When the id ranges
 are all the call reads (check_inputs on, exact mode, valid_lens None or L a bucket length),
-the read waits until the replay is launched: the kernel writes ids outside the tables as 0,
-so the replay reads no table out of range (the torch backend's lookup would assert on the
+the read waits until the replay is launched: the kernel writes the ids clamped into the
+tables, so the replay reads no table out of range (the torch backend's lookup would assert on the
 device), the stats go to a pinned host buffer behind an event, and the host waits for that
 copy alone (not for the replay) before it checks; a bad call's replay output is not returned.
 Where skip_padding's count or the keyless rows pick the graph, the read (and the check) comes
@@ -962,7 +962,7 @@ class _Calls:
         launch on CUDA, and read what reads() asks for in one host read: raises for bad values,
         sets skip_padding's token bucket, or restages at the exact L. Returns (bucket, slot,
         pending). When only the values are asked for, the read waits: the buffers get in-range
-        ids (bad ones as 0), so the graph may replay first, and ``pending`` is the stats'
+        ids (clamped), so the graph may replay first, and ``pending`` is the stats'
         transfer (``state.read_later``) that check_pending() reads and checks after the launch;
         else None."""
         values, tokens, keyless = self.reads(bucket, inputs)
@@ -1136,7 +1136,7 @@ def graphed(calls, inputs, *, tree_checked_first=False):
     What can wait is done after the replay is launched, while the GPU runs it: the module-tree
     check (unless ``tree_checked_first``) and the read of the id ranges. A replay they find
     wrong is not returned: a changed tree (its replaced tensors are kept alive by the snapshot
-    until the replay has run) makes the call again, checking first; bad ids (staged as 0)
+    until the replay has run) makes the call again, checking first; bad ids (staged clamped)
     raise."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or not calls.understood(inputs):
         return calls.eager(inputs)

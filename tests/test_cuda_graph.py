@@ -1089,7 +1089,7 @@ def test_input_check_from_the_staged_inputs(stub, staging, skip_padding, seqlen)
     """Each bad value gets the eager check's error, whichever way the inputs are staged; valid
     calls after them replay (the buffers hold the valid call's values). Where the call needs no
     other read (exact mode at a bucket length) the replay is launched before the values are
-    read: it must find the bad ids staged as 0 (the torch backend's CPU lookup, which the stub's
+    read: it must find the bad ids staged clamped (the torch backend's CPU lookup, which the stub's
     replay runs, raises IndexError for an id out of range), and its output is not returned.
     Elsewhere the check comes before any replay."""
     after_launch = not skip_padding and seqlen == 32

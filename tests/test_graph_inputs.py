@@ -114,13 +114,13 @@ def test_stage_inputs_matches_torch(lengths_case, shape, buffers_shape, clamp, m
     assert dict(zip(STATS, stats.tolist())) == dict(zip(STATS, want_stats.tolist()))
 
 
-def test_guard_ids_zeroes_ids_outside_the_tables():
+def test_guard_ids_clamps_ids_into_the_tables():
     """guard_ids on values worked out by hand: only the (batch, seqlen) corner is touched."""
     ids = torch.tensor([[4, -1, 10], [9, 3, 12]])
     segments = torch.tensor([[0, 2, 1], [-3, 1, 5]], dtype=torch.int32)
     guard_ids((ids, segments, None), 1, 3, (10, 2))
-    assert ids.tolist() == [[4, 0, 0], [9, 3, 12]]
-    assert segments.tolist() == [[0, 0, 1], [-3, 1, 5]]
+    assert ids.tolist() == [[4, 0, 9], [9, 3, 12]]
+    assert segments.tolist() == [[0, 1, 1], [-3, 1, 5]]
 
 
 def test_input_stats_counts():

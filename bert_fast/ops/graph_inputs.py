@@ -57,8 +57,8 @@ def _stage_inputs_kernel(ids, ids_stride_b, ids_stride_l, segments, segments_str
                          BLOCK_L: tl.constexpr):
     # LENGTHS: 0 none (full_length for the real rows), 1 one per row, 2 one per query; MASK: the
     # lengths are an attention mask (B, L) and the buffer bool (nonzero = attend; none: all).
-    # GUARD_IDS: ids outside [0, id_limit) and segments outside [0, segment_limit) are written
-    # as 0 (the stats keep the given ones).
+    # GUARD_IDS: ids are written clamped into [0, id_limit), segments into [0, segment_limit)
+    # (the stats keep the given ones).
     big = tl.full((), 9223372036854775807, tl.int64)      # int64's largest
     token_min, token_max = big, -big
     segment_min, segment_max = big, -big
@@ -88,7 +88,7 @@ def _stage_inputs_kernel(ids, ids_stride_b, ids_stride_l, segments, segments_str
             slots = rows[:, None] * padded_seqlen + cols[None, :]
             token = tl.load(ids + rows[:, None] * ids_stride_b + cols[None, :] * ids_stride_l, mask=real, other=0)
             if GUARD_IDS:
-                tl.store(id_buffer + slots, tl.where((token >= 0) & (token < id_limit), token, 0), mask=in_buffer)
+                tl.store(id_buffer + slots, tl.minimum(tl.maximum(token, 0), id_limit - 1), mask=in_buffer)
             else:
                 tl.store(id_buffer + slots, token, mask=in_buffer)
             token = token.to(tl.int64)
@@ -98,7 +98,7 @@ def _stage_inputs_kernel(ids, ids_stride_b, ids_stride_l, segments, segments_str
                 segment = tl.load(segments + rows[:, None] * segments_stride_b + cols[None, :] * segments_stride_l,
                                   mask=real, other=0)
                 if GUARD_IDS:
-                    tl.store(segment_buffer + slots, tl.where((segment >= 0) & (segment < segment_limit), segment, 0),
+                    tl.store(segment_buffer + slots, tl.minimum(tl.maximum(segment, 0), segment_limit - 1),
                              mask=in_buffer)
                 else:
                     tl.store(segment_buffer + slots, segment, mask=in_buffer)
@@ -170,7 +170,7 @@ def stage_inputs(inputs, buffers, stats, *, full_length, clamp, id_limits=None):
     into ``buffers`` (ids and segments (B_b, L_b), lengths (B_b,) or (B_b, L_b), contiguous,
     B_b >= B, L_b >= L), and the STATS of the call into ``stats`` (7 int64): one launch. A bool
     lengths buffer (B_b, L_b) takes an attention mask (nonzero = attend; None: every token).
-    ``id_limits`` (the token and segment tables' rows): ids outside them are written as 0, so a
+    ``id_limits`` (the token and segment tables' rows): ids are written clamped into them, so a
     replay that runs before the host has read the stats reads no table out of range."""
     ids, segments, lengths = inputs
     id_buffer, segment_buffer, length_buffer = buffers
@@ -225,7 +225,6 @@ def input_stats(buffers, batch, seqlen, *, has_segments, has_lengths, values=Tru
 
 def guard_ids(buffers, batch, seqlen, id_limits):
     """What stage_inputs' ``id_limits`` does, with PyTorch ops on buffers the caller filled
-    (after input_stats read them): ids outside the tables' rows become 0."""
+    (after input_stats read them): ids clamped into the tables' rows."""
     for buffer, limit in zip(buffers[:2], id_limits):
-        region = buffer[:batch, :seqlen]
-        region.masked_fill_((region < 0) | (region >= limit), 0)
+        buffer[:batch, :seqlen].clamp_(0, limit - 1)
