@@ -562,11 +562,12 @@ class _CudaGraphSteps:
         ``read()`` waits for the transfer alone (on CUDA, not for the work queued after it)."""
         if stats.device.type != "cuda":
             return _ReadNow(stats)
-        if state.host_stats is None:
+        pinned = state.pinned_reads.get(stats.device)
+        if pinned is None:          # per device: an event records on one device only
             with torch.inference_mode(False):       # an ordinary tensor: every call copies into it
-                state.host_stats = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
-            state.stats_read = torch.cuda.Event()
-        return _PinnedRead(stats, state.host_stats, state.stats_read)
+                host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
+            pinned = state.pinned_reads[stats.device] = (host, torch.cuda.Event())
+        return _PinnedRead(stats, *pinned)
 
     def wait(self, device):
         """Until the work queued on the caller's stream (a replay) has run."""
@@ -729,7 +730,7 @@ class _InputSlot:
         """fill(), by one kernel launch where graph_inputs.uses_kernel. Returns the STATS tensor
         (on the inputs' device), of which the parts asked for (graph_inputs.input_stats' flags)
         are valid (the kernel computes them all, always), or None if none is asked for.
-        ``id_limits``: the buffers get 0 for ids outside the tables (graph_inputs.guard_ids)."""
+        ``id_limits``: the buffers get the ids clamped into the tables (graph_inputs.guard_ids)."""
         ids, segments, lengths = inputs
         if graph_inputs.uses_kernel(ids):
             self.filled = "all"
@@ -771,7 +772,7 @@ class _EncoderGraphs:
         self.snapshot = None
         self.pool = None
         self.stream = None
-        self.host_stats = self.stats_read = None      # _steps.read_later's pinned buffer and event
+        self.pinned_reads = {}        # device -> _steps.read_later's pinned buffer and event
         self.stats = collections.Counter()
 
     def read_later(self, stats):
