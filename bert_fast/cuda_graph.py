@@ -127,10 +127,12 @@ Per call, a replay costs on the host: the input check of shapes and dtypes (no t
 the staging launch and its host read when needed (above), the replay, then the snapshot check
 and the deferred read of the id ranges, and the output copy: on a GPU 3 launches (4 with the
 deferred read's copy), and one sync where a value is read. On the CPU VM, replay stubbed
-(``scripts/graph_call_host.py``: 12 layers H 64, B1 L16, GPU path, 2026-11-26): 48 us of 90 a
-call come before the launch, against 76 of 83 when the tree check and the read came first;
-111 of 176 against 147 of 161 right after an eager reference forward (cold caches). Not yet
-measured on a GPU, where the work after the launch overlaps the replay. Measured with
+(``scripts/graph_call_host.py``: 12 layers H 64, B1 L16, GPU path, 2026-11-26, three runs
+each): 48-49 us of 90-91 a call come before the launch, against 76-80 of 83-87 when the tree
+check and the read came first; 111-117 of 176-184 against 147-159 of 161-174 right after an
+eager reference forward (cold caches). The whole call is 3-13 us longer (the pending read's
+objects, the check after the launch); on a GPU the work after the launch overlaps the replay.
+Not yet measured on a GPU. Measured with
 ``python -m bert_fast.bench --suite host --modes "cuda_graphs forward"`` on the CI machine's
 CPU, the replay stubbed (12 layers, H 64, B1 L8, 1-D valid_lens, the row "fast[triton] GPU
 path": the staging kernel compiled for sm_90, its launch counted instead of made), 2026-11-26:
