@@ -102,7 +102,8 @@ machine's CPU, against ~41 us comparing everything every call (2026-11-26, inter
 check runs after the replay is launched, while the GPU runs it (the first call, and a call
 that captures, check first): the snapshot keeps the storages of the tensors it saw alive, so a
 replay of a changed tree reads valid (stale) memory; the call then waits for that replay,
-discards its output and runs again, checking first. (So memory replaced since the last call
+discards its output and runs again, checking first (and keeps checking first while a
+submodule stays in training mode). (So memory replaced since the last call
 is released at the next call, or by ``clear_cuda_graphs``; a call on CPU inputs, e.g. after
 ``.cpu()``, drops the snapshot.) Any difference drops every graph of the encoder. Not followed: attributes changed by hand on submodules
 (activation, eps, num_heads, hooks added after capture), and writes into a module's
@@ -772,6 +773,7 @@ class _EncoderGraphs:
         self.failed = set()
         self.warned = set()
         self.snapshot = None
+        self.check_first = False      # the last check found a submodule training: check before replays
         self.pool = None
         self.stream = None
         self.pinned_reads = {}        # device -> _steps.read_later's pinned buffer and event
@@ -1155,7 +1157,7 @@ def graphed(calls, inputs, *, tree_checked_first=False):
     if module.training:
         return _eager(calls, state, "training", inputs)
     snapshot = state.snapshot
-    if snapshot is None or tree_checked_first:
+    if snapshot is None or tree_checked_first or state.check_first:
         problem = snapshot.check() if snapshot is not None else "changed"
         if problem == "changed":
             if state.graphs:
@@ -1167,6 +1169,9 @@ def graphed(calls, inputs, *, tree_checked_first=False):
                 state.snapshot = None
                 return _eager(calls, state, "parameters", inputs, detail=error)
             problem = snapshot.check()
+        # A submodule left in training mode (e.g. dropout on for MC dropout) keeps the check
+        # first, so its calls do not launch a replay only to discard it.
+        state.check_first = problem is not None
         if problem == "training":
             return _eager(calls, state, "training", inputs)
         tree_checked_first = True

@@ -919,7 +919,18 @@ def test_training_mode_runs_eagerly_with_one_warning(stub):
     assert stub.attempts == 0
     encoder.eval()
     graphed(encoder, tokens, segments)
-    assert stub.attempts == 1
+    assert stub.attempts == 1 and stub.replays == 1
+
+    # After a capture the tree is checked after the replay's launch: the first call with a
+    # submodule training replays, waits and runs eagerly; the next ones check first (no replay).
+    encoder.blks[1].ffn.train()
+    for _ in range(3):
+        assert torch.equal(graphed(encoder, tokens, segments), eager_forward(encoder, tokens, segments))
+    assert stub.replays == 2 and stub.waits == 1 and cuda_graph_stats(encoder)["eager_training"] == 7
+    encoder.eval()
+    graphed(encoder, tokens, segments)
+    graphed(encoder, tokens, segments)
+    assert stub.attempts == 1 and stub.replays == 4 and stub.waits == 1
 
 
 def test_autograd_runs_eagerly_with_one_warning(stub):
