@@ -773,7 +773,7 @@ class _EncoderGraphs:
         self.failed = set()
         self.warned = set()
         self.snapshot = None
-        self.check_first = False      # the last check found a submodule training: check before replays
+        self.check_first = True       # check the module tree before the replay (else after it)
         self.pool = None
         self.stream = None
         self.pinned_reads = {}        # device -> _steps.read_later's pinned buffer and event
@@ -1133,16 +1133,16 @@ def _capture(calls, state, key, slot, limit, num_tokens):
     return entry
 
 
-def graphed(calls, inputs, *, tree_checked_first=False):
+def graphed(calls, inputs):
     """The forward of ``calls.module`` with cuda_graphs on: replay the CUDA graph of the call's
     shape bucket, capturing it on the bucket's first call; the eager forward where graphs do
     not apply. ``calls``: a _Calls for the module. See the module docstring.
 
     What can wait is done after the replay is launched, while the GPU runs it: the module-tree
-    check (unless ``tree_checked_first``) and the read of the id ranges. A replay they find
-    wrong is not returned: a changed tree (its replaced tensors are kept alive by the snapshot
-    until the replay has run) makes the call again, checking first; bad ids (staged clamped)
-    raise."""
+    check (unless ``state.check_first``: no snapshot yet, or the last check found a problem) and
+    the read of the id ranges. A replay they find wrong is not returned: a changed tree (its
+    replaced tensors are kept alive by the snapshot until the replay has run) makes the call
+    again, checking first; bad ids (staged clamped) raise."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or not calls.understood(inputs):
         return calls.eager(inputs)
     module = calls.module
@@ -1157,7 +1157,8 @@ def graphed(calls, inputs, *, tree_checked_first=False):
     if module.training:
         return _eager(calls, state, "training", inputs)
     snapshot = state.snapshot
-    if snapshot is None or tree_checked_first or state.check_first:
+    checked = snapshot is None or state.check_first
+    if checked:
         problem = snapshot.check() if snapshot is not None else "changed"
         if problem == "changed":
             if state.graphs:
@@ -1174,7 +1175,6 @@ def graphed(calls, inputs, *, tree_checked_first=False):
         state.check_first = problem is not None
         if problem == "training":
             return _eager(calls, state, "training", inputs)
-        tree_checked_first = True
     if torch.is_grad_enabled() and any(p.requires_grad for p in snapshot.params):
         return _eager(calls, state, "autograd", inputs)
     if not calls.graphable(inputs):
@@ -1192,8 +1192,9 @@ def graphed(calls, inputs, *, tree_checked_first=False):
         entry = state.graphs.get(key)
         if entry is None:
             # Capture (or run eagerly) on a checked tree and checked values.
-            if not tree_checked_first and snapshot.check() is not None:
-                return graphed(calls, inputs, tree_checked_first=True)
+            if not checked and snapshot.check() is not None:
+                state.check_first = True
+                return graphed(calls, inputs)
             calls.check_pending(pending, inputs)
             if key in state.failed:
                 state.stats["eager_capture"] += 1
@@ -1219,9 +1220,10 @@ def graphed(calls, inputs, *, tree_checked_first=False):
         else:
             state.graphs.move_to_end(key)
         entry.graph.replay()
-        if not tree_checked_first and snapshot.check() is not None:
+        if not checked and snapshot.check() is not None:
             _steps.wait(device)          # the replay read the tensors the check found replaced
-            return graphed(calls, inputs, tree_checked_first=True)
+            state.check_first = True
+            return graphed(calls, inputs)
         calls.check_pending(pending, inputs)
         state.stats["replays"] += 1
         return calls.result(entry.output, *ids.shape)
