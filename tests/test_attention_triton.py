@@ -172,6 +172,24 @@ def test_fp16_within_rule_of_fp32_reference():
 
 
 @needs_kernels
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_forward_without_lse_gives_the_same_output(dropout_p):
+    """lse=False (inference): the same context bits, padded and varlen, and no LSE made."""
+    seqlen, valid_lens = 13, torch.tensor([5.0, 0.0, 13.0], device=DEVICE)
+    qkv = random_qkv(3, seqlen, 2, 16)
+    seed = seed_tensor(7) if dropout_p else None
+    out, lse = _attention_fwd_triton(qkv, valid_lens, 2, dropout_p, seed)
+    bare, no_lse = _attention_fwd_triton(qkv, valid_lens, 2, dropout_p, seed, lse=False)
+    assert lse is not None and no_lse is None and torch.equal(bare, out)
+    unpadding = ops.unpadding_for(valid_lens, seqlen)
+    packed = ops.unpad(qkv, unpadding)
+    args = (packed, unpadding.cu_seqlens, 2, seqlen, dropout_p, seed)
+    out_v, lse_v = _varlen_attention_fwd_triton(*args)
+    bare_v, no_lse_v = _varlen_attention_fwd_triton(*args, lse=False)
+    assert lse_v is not None and no_lse_v is None and torch.equal(bare_v, out_v)
+
+
+@needs_kernels
 def test_varlen_matches_padded():
     # A zero-length sequence, and max_seqlen (the padded L) above the longest sequence.
     seqlen, valid_lens = 17, torch.tensor([5.0, 0.0, 13.0], device=DEVICE)

@@ -381,6 +381,29 @@ def test_fused_inference_through_the_kernels(backend, valid_lens, monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inference_skips_the_attention_lse(backend, monkeypatch):
+    """The fused layer's and the per-op path's inference ask the attention kernel for no LSE
+    (only a backward reads it); training asks for it."""
+    attention = importlib.import_module("bert_fast.ops.attention")
+    asked, launcher = [], attention._attention_fwd_triton
+
+    def recording(qkv, valid_lens, num_heads, dropout_p, seed, counts=None, lse=True):
+        asked.append(lse)
+        return launcher(qkv, valid_lens, num_heads, dropout_p, seed, counts, lse)
+
+    monkeypatch.setattr(attention, "_attention_fwd_triton", recording)
+    block = make_block(backend, use_bias=True)
+    x, _ = inputs()
+    with kernels_on_cpu():
+        key_mask = ops.prepare_key_mask(VALID_LENS["1d"], L, backend)
+        infer_fused_and_per_op(block.eval(), x, key_mask, monkeypatch)
+        assert asked == [False, False]
+        block.train()(x.requires_grad_(), key_mask).sum().backward()
+    assert asked == [False, False, True]
+
+
+@needs_kernels
 @pytest.mark.skipif(torch.cuda.is_available() or not interpreting(), reason="interpreter only; GPU test below")
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
 @pytest.mark.parametrize("packing", list(PACKINGS))

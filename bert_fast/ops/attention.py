@@ -218,9 +218,10 @@ def _attention_fwd_kernel(
         stride_counts_b, stride_counts_l,
         num_heads, head_dim, max_seqlen, sm_scale, dropout_p, seed_ptr,
         HAS_VALID_LENS: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program: BLOCK_M queries of one (batch, head) against all keys, online softmax."""
+    """One program: BLOCK_M queries of one (batch, head) against all keys, online softmax.
+    STORE_LSE: write each query's log-sum-exp (what the backward reads; inference skips it)."""
     sm_scale, dropout_p = tl.cast(sm_scale, tl.float32), tl.cast(dropout_p, tl.float32)
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
@@ -232,7 +233,6 @@ def _attention_fwd_kernel(
     hidden = num_heads * head_dim
     qkv += b.to(tl.int64) * stride_qkv_b + first * stride_qkv_l + h * head_dim * stride_qkv_f
     out += b.to(tl.int64) * stride_out_b + first * stride_out_l + h * head_dim * stride_out_f
-    lse += b.to(tl.int64) * stride_lse_b + h * stride_lse_h + first * stride_lse_l
 
     queries = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -278,8 +278,10 @@ def _attention_fwd_kernel(
         acc = acc * (1.0 / (1.0 - dropout_p))
     tl.store(out + queries[:, None] * stride_out_l + offs_d[None, :] * stride_out_f,
              acc.to(out.dtype.element_ty), mask=query_ok[:, None] & d_ok[None, :])
-    tl.store(lse + queries * stride_lse_l,
-             m_i.to(tl.float64) * _LN2 + tl.log(l_i).to(tl.float64), mask=query_ok)
+    if STORE_LSE:
+        lse += b.to(tl.int64) * stride_lse_b + h * stride_lse_h + first * stride_lse_l
+        tl.store(lse + queries * stride_lse_l,
+                 m_i.to(tl.float64) * _LN2 + tl.log(l_i).to(tl.float64), mask=query_ok)
 
 
 @triton.jit
@@ -605,18 +607,19 @@ def _launch_config(qkv, head_dim, batch, num_heads):
 
 def _launch_fwd(qkv, out, lse, counts, cu_seqlens, batch, num_heads, head_dim, max_seqlen,
                 dropout_p, seed):
-    """qkv, out, lse, counts go by their strides; cu_seqlens must be contiguous."""
+    """qkv, out, lse, counts go by their strides; cu_seqlens must be contiguous; lse None: not
+    written."""
     block_d, tiles, _, _, precision = _launch_config(qkv, head_dim, batch, num_heads)
     if max_seqlen == 0 or batch == 0:
         return
     grid = (cdiv(max_seqlen, tiles.block_m), batch * num_heads)
     launch(_attention_fwd_kernel, out)[grid](
         qkv, out, lse, counts, cu_seqlens,
-        *_strides(qkv), *_strides(out), *_strides(lse),
+        *_strides(qkv), *_strides(out), *(_strides(lse) if lse is not None else (0, 0, 0)),
         *(counts.stride() if counts is not None else (0, 0)),
         num_heads, head_dim, max_seqlen, 1.0 / math.sqrt(head_dim), dropout_p, seed,
         HAS_VALID_LENS=counts is not None, IS_VARLEN=cu_seqlens is not None,
-        HAS_DROPOUT=dropout_p > 0.0, DOT_PRECISION=precision,
+        HAS_DROPOUT=dropout_p > 0.0, DOT_PRECISION=precision, STORE_LSE=lse is not None,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=block_d,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
@@ -645,17 +648,18 @@ def _launch_bwd(grad_out, qkv, out, lse, dqkv, counts, cu_seqlens, batch, num_he
         num_warps=dkdv_tiles.num_warps, num_stages=dkdv_tiles.num_stages)
 
 
-def _attention_fwd_triton(qkv, valid_lens, num_heads, dropout_p, seed, counts=None):
+def _attention_fwd_triton(qkv, valid_lens, num_heads, dropout_p, seed, counts=None, lse=True):
     """(B, L, 3H) packed projection -> context (B, L, H) and fp64 LSE (B, heads, L).
 
     ``counts``: _visible_key_counts(valid_lens, B, L) when the caller made it already (once per
-    encoder forward), else computed here.
+    encoder forward), else computed here. ``lse=False`` (inference: no backward will read it):
+    the LSE is None, neither allocated nor written.
     """
     head_dim = _check_attention_inputs(qkv, valid_lens, num_heads, dropout_p, seed)
     require_triton(qkv, valid_lens)
     batch, seqlen, _ = qkv.shape
     out = qkv.new_empty(batch, seqlen, num_heads * head_dim)
-    lse = torch.empty(batch, num_heads, seqlen, dtype=torch.float64, device=qkv.device)
+    lse = torch.empty(batch, num_heads, seqlen, dtype=torch.float64, device=qkv.device) if lse else None
     if counts is None and valid_lens is not None:
         counts = _visible_key_counts(valid_lens, batch, seqlen)
     _launch_fwd(qkv, out, lse, counts, None, batch, num_heads, head_dim, seqlen, dropout_p, seed)
@@ -682,8 +686,9 @@ def _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, num_heads, dropou
     return dqkv
 
 
-def _varlen_attention_fwd_triton(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed, filler=True):
-    """(N, 3H) packed valid tokens -> context (N, H) and fp64 LSE (heads, N).
+def _varlen_attention_fwd_triton(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed, filler=True, lse=True):
+    """(N, 3H) packed valid tokens -> context (N, H) and fp64 LSE (heads, N) (None with
+    ``lse=False``, as _attention_fwd_triton's).
 
     ``max_seqlen`` must be >= every sequence's length (the padded L); ``cu_seqlens[-1] <= N``.
     Rows past ``cu_seqlens[-1]`` (a static unpadding's filler) belong to no sequence and are
@@ -695,7 +700,7 @@ def _varlen_attention_fwd_triton(qkv, cu_seqlens, num_heads, max_seqlen, dropout
     num_tokens = qkv.shape[0]
     new = torch.zeros if filler else torch.empty     # the kernel never writes rows of no sequence
     out = new(num_tokens, num_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
-    lse = new(num_heads, num_tokens, dtype=torch.float64, device=qkv.device)
+    lse = new(num_heads, num_tokens, dtype=torch.float64, device=qkv.device) if lse else None
     _launch_fwd(qkv, out, lse, None, cu_seqlens.contiguous(), cu_seqlens.shape[0] - 1, num_heads, head_dim,
                 max_seqlen, dropout_p, seed)
     return out, lse
@@ -843,11 +848,12 @@ def _varlen_attention_bwd_cpu(grad_out, qkv, out, lse, cu_seqlens, num_heads, ma
 # Registered ops (CUDA: Triton kernels; CPU: the twins) and their autograd
 # ----------------------------------------------------------------------------------------------
 
-def _attention_fwd(qkv, valid_lens, num_heads, dropout_p, seed, counts=None):
-    """The launcher for qkv's device: the Triton kernel, or the CPU twin (explicit math)."""
+def _attention_fwd(qkv, valid_lens, num_heads, dropout_p, seed, counts=None, lse=True):
+    """The launcher for qkv's device: the Triton kernel, or the CPU twin (explicit math).
+    ``lse=False``: the kernel neither allocates nor writes the LSE (the twin makes it anyway)."""
     if cpu_kernel(qkv):
         return _attention_fwd_cpu(qkv, valid_lens, num_heads, dropout_p, seed)
-    return _attention_fwd_triton(qkv, valid_lens, num_heads, dropout_p, seed, counts)
+    return _attention_fwd_triton(qkv, valid_lens, num_heads, dropout_p, seed, counts, lse)
 
 
 def _attention_bwd(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed, counts=None, check=True):
@@ -856,11 +862,12 @@ def _attention_bwd(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, se
     return _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed, counts, check)
 
 
-def _varlen_attention_fwd(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed, filler=True):
-    """``filler``: see _varlen_attention_fwd_triton (the CPU twin zeroes filler rows either way)."""
+def _varlen_attention_fwd(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed, filler=True, lse=True):
+    """``filler``, ``lse``: see _varlen_attention_fwd_triton (the CPU twin zeroes filler rows
+    and makes the LSE either way)."""
     if cpu_kernel(qkv):
         return _varlen_attention_fwd_cpu(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed)
-    return _varlen_attention_fwd_triton(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed, filler)
+    return _varlen_attention_fwd_triton(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed, filler, lse)
 
 
 def _varlen_attention_bwd(grad_out, qkv, out, lse, cu_seqlens, num_heads, max_seqlen, dropout_p, seed, filler=True,
@@ -999,7 +1006,7 @@ def packed_self_attention(qkv, num_heads, valid_lens=None, dropout_p=0.0, *, bac
     valid_lens = _raw(valid_lens)
     if records_grad(qkv):
         return thin_apply(_Attention, qkv, valid_lens, counts, num_heads, None, dropout_p, seed)
-    return _attention_fwd(qkv, valid_lens, num_heads, dropout_p, seed, counts)[0]
+    return _attention_fwd(qkv, valid_lens, num_heads, dropout_p, seed, counts, lse=False)[0]
 
 
 def unpadded_self_attention(qkv, num_heads, unpadding, valid_lens, dropout_p=0.0, *,
@@ -1028,7 +1035,7 @@ def unpadded_self_attention(qkv, num_heads, unpadding, valid_lens, dropout_p=0.0
             if records_grad(qkv):
                 return thin_apply(_Attention, qkv, unpadding.cu_seqlens, None, num_heads, unpadding.seqlen,
                                   dropout_p, seed, unpadding.static)
-            return _varlen_attention_fwd(*args, filler=unpadding.static)[0]
+            return _varlen_attention_fwd(*args, filler=unpadding.static, lse=False)[0]
     hidden = qkv.shape[-1] // 3
     if per_sequence is None:
         per_sequence = qkv.device.type == "cpu" and not unpadding.static

@@ -133,18 +133,19 @@ def _per_sequence_backward(grad, qkv, seqlens, num_heads, saved):
     return torch.cat(grads) if grads else torch.zeros_like(qkv)
 
 
-def _attention_forward(qkv, key_mask, num_heads, dropout_p, seed):
-    """(context (B, L, H) or, for packed valid tokens, (N, H); what the backward needs)."""
+def _attention_forward(qkv, key_mask, num_heads, dropout_p, seed, saves=True):
+    """(context (B, L, H) or, for packed valid tokens, (N, H); what the backward needs).
+    ``saves=False`` (inference): the kernels skip the LSE the backward would read."""
     if isinstance(key_mask, Unpadding):
         if _per_sequence(qkv, key_mask, dropout_p):
             return _per_sequence_forward(qkv, key_mask.seqlens, num_heads)
         out, lse = _varlen_attention_fwd(qkv, key_mask.cu_seqlens, num_heads, key_mask.seqlen, dropout_p, seed,
-                                         key_mask.static)
+                                         key_mask.static, lse=saves)
         return out, (out, lse)
     if _uses_kernels(qkv, dropout_p):
         valid_lens = None if key_mask is None else key_mask.valid_lens
         counts = None if key_mask is None else key_mask.counts
-        out, lse = _attention_fwd(qkv, valid_lens, num_heads, dropout_p, seed, counts)
+        out, lse = _attention_fwd(qkv, valid_lens, num_heads, dropout_p, seed, counts, lse=saves)
         return out, (out, lse)
     q, k, v, mask, query_keep = _cpu_attention_args(qkv, num_heads, key_mask)
     if query_keep is not None:
@@ -276,7 +277,7 @@ def _layer_forward(spec, key_mask, packed, x, params, ctx=None):
     qkv = F.linear(x_gemm, w_qkv, b_qkv)
     # Seeds in the per-op path's order (attention, then the two dropouts of the add-norms).
     seeds = tuple(dropout_seed(p, x.device) for _ in range(3)) if p > 0.0 else (None,) * 3
-    context, attention_saved = _attention_forward(qkv, key_mask, spec.num_heads, p, seeds[0])
+    context, attention_saved = _attention_forward(qkv, key_mask, spec.num_heads, p, seeds[0], ctx is not None)
     projected = as_dtype(F.linear(context, w_o, b_o), norm_dtype)
     x_norm = as_dtype(x, norm_dtype)
     y, mean1, rstd1 = ln_fwd(projected, x_norm, ln1_w, ln1_b, spec.eps1, seeds[1], p)
