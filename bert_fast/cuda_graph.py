@@ -779,9 +779,6 @@ class _EncoderGraphs:
         self.pinned_reads = {}        # device -> _steps.read_later's pinned buffer and event
         self.stats = collections.Counter()
 
-    def read_later(self, stats):
-        return _steps.read_later(stats, self)
-
     def slot(self, bucket, ids_dtype, segments_dtype, device):
         """The _InputSlot of a bucket's padded shape, made on first use (zeros)."""
         key = (bucket.batch, bucket.seqlen, bucket.lengths_shape, bucket.lengths_dtype, ids_dtype, segments_dtype,
@@ -968,13 +965,13 @@ class _Calls:
         sets skip_padding's token bucket, or restages at the exact L. Returns (bucket, slot,
         pending). When only the values are asked for, the read waits: the buffers get in-range
         ids (clamped), so the graph may replay first, and ``pending`` is the stats'
-        transfer (``state.read_later``) that check_pending() reads and checks after the launch;
+        transfer (``_steps.read_later``) that check_pending() reads and checks after the launch;
         else None."""
         values, tokens, keyless = self.reads(bucket, inputs)
         slot = slot_for(bucket)
         if values and not (tokens or keyless):
             stats = slot.stage(inputs, *self.fill_args(bucket, inputs), values=True, id_limits=self.id_limits())
-            return bucket, slot, state.read_later(stats)
+            return bucket, slot, _steps.read_later(stats, state)
         stats = slot.stage(inputs, *self.fill_args(bucket, inputs), values=values, tokens=tokens, keyless=keyless)
         if not (values or tokens or keyless):
             return bucket, slot, None
