@@ -47,6 +47,19 @@ def assert_close(actual, expected, atol, rtol=0.0, what="output"):
     assert err <= bound, f"{what}: max abs error {err:.3g} > {bound:.3g}"
 
 
+def assert_same_computation(actual, expected, what="output"):
+    """Two specialisations of one kernel (a constexpr apart, e.g. whether it also stores
+    statistics) that do the same arithmetic in the same order: bitwise under Triton's
+    interpreter. On a GPU the compiled variants' PTX holds the same float operations in the same
+    order, yet ptxas contracts multiplies and adds into FMAs as each one's schedule allows, so
+    the two may differ in the last bits (seen on an H200 on 2026-11-26: the add-norm forward with
+    and without its statistics): there, within a few fp32 ulps, far below any real mistake."""
+    if actual.device.type == "cpu":
+        assert torch.equal(actual, expected), f"{what}: not the same bits"
+    else:
+        assert_close(actual, expected, atol=1e-5, rtol=1e-5, what=what)
+
+
 def compare_forward_backward(ref, fast, tokens, segments, valid_lens, atol=1e-4, valid_only=False):
     """Same output, and the same gradient on every parameter (names are shared), for a random
     loss over the output. ``valid_only`` (skip_padding, whose padded rows are zeros by design):

@@ -13,7 +13,11 @@ import torch
 from ._triton import cdiv, launch, tl, triton
 
 
-@triton.jit
+# The sizes are not specialised: Triton's divisibility-by-16 specialisation of a width would pick
+# a vectorised layout for the loads, whose rows a thread then sums in another order, so a
+# buffer's sums on its own would differ in the last bits from the same buffer's in a joint call
+# (seen on an H200, fp32: the fused layer's and the per-op path's gradients must agree bitwise).
+@triton.jit(do_not_specialize=["a_rows", "b_rows", "c_rows", "a_cols", "b_cols", "c_cols"])
 def _column_sums_kernel(out_ptr, a_ptr, b_ptr, c_ptr, a_rows, b_rows, c_rows, a_cols, b_cols, c_cols,
                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     # Up to three contiguous fp32 (rows, cols) buffers a, b, c (one left out has 0 columns); their
