@@ -16,12 +16,13 @@ GPU-only tool for scripts/gpu_session.sh's `attention-tiles` step; it changes no
 of one call): on an H100 (2026-11-26, a B32 L128 training step's profile,
 benchmarks/results/nvidia-h100-80gb-hbm3-2026-11-26T1517-profile-train.log) the two took 50.3 and
 48.7 µs a layer, where cuDNN's flash backward (the torch backend's SDPA) took 34.4 for both.
-The current dK/dV tiles (32, 128) on 8 warps take 172 registers a thread (ptxas, sm_90), so
-one program is resident per SM: at B32 L128 its 384 programs run in three waves of 132; the
-candidates take 128-210 (2-4 resident where under ~130 at 8 warps or ~170 at 4). First the
-dK/dV kernel's candidates with the dQ kernel's tiles as they are, then the dQ kernel's; TFLOP/s
-on the backward's 2.5x the forward's work. The candidates compile for sm_90 without spills
-(kernel_resources, triton 3.9).
+The dK/dV tiles were (32, 128) on 8 warps, 172 registers a thread (ptxas, sm_90), so one
+program resident per SM: at B32 L128 its 384 programs ran in three waves of 132; the candidates
+take 128-210 (2-4 resident where under ~130 at 8 warps or ~170 at 4). On an H200 (2026-11-26)
+dK/dV (16, 64, 4, 2) and dQ (64, 64, 4, 2) were the fastest at both shapes, the tiles since.
+First the dK/dV kernel's candidates with the dQ kernel's tiles as they are, then the dQ
+kernel's; TFLOP/s on the backward's 2.5x the forward's work. The candidates compile for sm_90
+without spills (kernel_resources, triton 3.9).
 """
 
 import argparse
@@ -39,8 +40,8 @@ KEY = (HEAD_DIM, 2)          # attention._GPU_TILES' key for head dim 64, 2-byte
 CANDIDATES = ["128,64,8,3", "128,128,8,2", "128,64,4,3", "64,64,4,3", "64,128,4,2", "64,32,4,3", "128,32,8,3"]
 # The backward's: the current tiles first. dK/dV: BLOCK_M queries a step over BLOCK_N keys a
 # program; dQ: BLOCK_M queries a program, BLOCK_N keys a step.
-DKDV_CANDIDATES = ["32,128,8,2", "32,64,8,2", "16,64,4,2", "32,64,4,2", "16,128,8,2", "64,64,8,2", "32,32,4,2"]
-DQ_CANDIDATES = ["128,32,8,2", "128,64,8,2", "64,64,4,2", "64,32,4,2", "128,16,4,2", "64,128,8,2", "128,32,8,3"]
+DKDV_CANDIDATES = ["16,64,4,2", "32,128,8,2", "16,32,4,2", "32,64,4,2", "16,64,4,3", "16,128,4,2", "16,64,2,2"]
+DQ_CANDIDATES = ["64,64,4,2", "128,32,8,2", "64,64,4,3", "64,32,4,2", "32,64,4,2", "64,128,4,2", "128,64,8,2"]
 
 
 def parse_tiles(text):

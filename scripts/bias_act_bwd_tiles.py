@@ -4,11 +4,12 @@
 
 On an H100 (2026-11-26, benchmarks/results/nvidia-h100-80gb-hbm3-2026-11-26T1517-*) the
 backward took 117 µs a call in a B32 L128 training step (17% of its kernels) and 229 µs at
-8192x3072 against 36 for the forward on the same tiles. Its loop summed each (8, 256) tile over
-rows, across its 8 warps, every iteration; it now accumulates a register tile and sums it once
-(bert_fast/ops/bias_act.py), not yet timed. Each candidate here is BLOCK_M, BLOCK_N, num_warps
-and programs per SM (the programs along the rows are that many per SM over the column
-programs), the current shape first.
+8192x3072 against 36 for the forward on the same tiles. Its loop now accumulates a register tile
+and sums it once, and on an H200 (2026-11-26T23, benchmarks/results/) (16, 128) tiles on 4 warps
+were the fastest of 7 shapes in all four cases: the backward's own tiles since
+(bias_act._bias_act_bwd_blocks). Each candidate here is BLOCK_M, BLOCK_N, num_warps and programs
+per SM (the programs along the rows are that many per SM over the column programs), the current
+shape first.
 
 GPU time per call of the whole backward (the kernel, then column_sums over its partial rows)
 from CUDA-graph replays, bf16, ReLU and GELU; GB/s on the bytes it must move (grad_out and the
@@ -27,7 +28,7 @@ from scripts.layernorm_bwd_tiles import print_row
 
 bias_act_op = importlib.import_module("bert_fast.ops.bias_act")   # the module, not the function
 
-CANDIDATES = ["8,256,8,4", "8,256,4,4", "16,256,8,4", "8,512,8,4", "4,256,4,8", "16,128,4,4", "8,256,8,2"]
+CANDIDATES = ["16,128,4,4", "8,256,8,4", "8,256,4,4", "16,256,8,4", "32,64,4,4", "16,128,4,8", "16,128,4,2"]
 
 
 class launch_shape:
@@ -37,8 +38,8 @@ class launch_shape:
         self.block_m, self.block_n, self.num_warps, self.per_sm = (int(part) for part in text.split(","))
 
     def __enter__(self):
-        self.saved = bias_act_op._bias_act_blocks, bias_act_op.reduction_programs
-        bias_act_op._bias_act_blocks = lambda n_cols: (self.block_m, self.block_n, self.num_warps)
+        self.saved = bias_act_op._bias_act_bwd_blocks, bias_act_op.reduction_programs
+        bias_act_op._bias_act_bwd_blocks = lambda n_cols: (self.block_m, self.block_n, self.num_warps)
 
         def programs(device, num_row_blocks, programs_beside=1):
             sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
@@ -46,7 +47,7 @@ class launch_shape:
         bias_act_op.reduction_programs = programs
 
     def __exit__(self, *exc):
-        bias_act_op._bias_act_blocks, bias_act_op.reduction_programs = self.saved
+        bias_act_op._bias_act_bwd_blocks, bias_act_op.reduction_programs = self.saved
 
 
 def backward_call(rows, cols, activation, device, dtype=torch.bfloat16):
@@ -73,7 +74,7 @@ def main():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     row_counts = options.rows or ([4096, 8192] if device.type == "cuda" else [40])
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (Triton interpreter: a smoke test)"
-    block_m, block_n, num_warps = bias_act_op._bias_act_blocks(options.cols)
+    block_m, block_n, num_warps = bias_act_op._bias_act_bwd_blocks(options.cols)
     print(f"{name}, torch {torch.__version__}; Triton bias_act backward, N {options.cols}, bf16; current "
           f"shape: ({block_m}, {block_n}) tiles, {num_warps} warps, 4 programs per SM")
     for activation in options.activations:

@@ -29,9 +29,12 @@
 # 98 s (840 tests), suite-base 108 s, layernorm-tiles 9 s, profile-graph-call 11 s, profile-train
 # 23 s, profile-train-step 18 s, kernels-small 21 s; suite-train cut at 230 s cold, still
 # compiling (SUITE_ARGS=--no-compile leaves the compiled rows out, the graphed ones in);
-# sanitize's first two steps ~45 s each, the third stopped at a failure after 48 s. `tests`
-# (the whole suite), `sanitize` to its end, `attention-bwd-tiles` and `bias-act-tiles` have not run
-# on a GPU.
+# sanitize's first two steps ~45 s each, the third stopped at a failure after 48 s. On an H200
+# late that day: build 50 s, tests-gpu 132 s (963 tests, 8 workers, to the end),
+# profile-graph-call 24 s, suite-base 129 s, profile-train 24 s, kernels-small 18 s,
+# attention-bwd-tiles 13 s, layernorm-tiles 9 s, bias-act-tiles 8 s: 420 s in one call; then
+# sanitize with 8 workers ran nothing in 166 s (serial since). `tests` (the whole suite) and
+# `sanitize` to its end have not run on a GPU.
 # A machine held idle for 30 s is given back and the next call starts a bare one (build again).
 #
 # STEP_TIMEOUT=S interrupts each step after S seconds (SIGINT: pytest prints what ran, and the
@@ -103,9 +106,10 @@ for step in "$@"; do
         # this machine's compiler linked it with the shared libstdc++ (its error messages): the
         # part of the suite a short lease can run (83 s with 8 workers on the H100, 2026-11-26).
         # add_layernorm's and bias_act's test files whole: their backward kernels changed after
-        # that run (launch shape; the bias gradient's reduction). The joint column sums (one
-        # launch for a layer's) and the extension forward with Triton's add-norm backward (what
-        # profile-train's auto:triton-addnorm-bwd times) are new since the sixth run.
+        # that run (launch shape; the bias gradient's reduction). 960 passed, 3 failed on an H200
+        # (2026-11-26, 126 s with 8 workers): two bitwise comparisons of an inference variant
+        # (relaxed since to ptxas's FMA contraction) and the joint column sums' (specialisation:
+        # fixed since).
         parallel=()
         python -c "import xdist" 2>/dev/null && parallel=(-n "${GPU_TEST_WORKERS:-8}")
         run tests-gpu python -m pytest -q -rfE -p no:cacheprovider "${parallel[@]}" --durations=15 \
@@ -115,7 +119,7 @@ for step in "$@"; do
             tests/test_attention_triton.py::test_gpu_dropout_keep_rate_and_compile \
             tests/test_add_layernorm_triton.py tests/test_bias_act_triton.py \
             tests/test_column_sums.py tests/test_encoder_layer.py::test_fused_layer_matches_the_torch_backend \
-            tests/test_encoder_layer.py::test_cuda_backend_with_tritons_addnorm_backward \
+            tests/test_encoder_layer.py::test_cuda_backend_add_norm_backwards \
             tests/test_encoder_layer.py::test_gpu_fused_layer_matches_the_per_op_path \
             tests/test_loss_curve.py::test_gpu_bert_base_under_autocast_tracks_the_fp32_curve_as_the_reference_does \
             tests/test_encoder_layer.py::test_gpu_fused_layer_on_packed_tokens_matches_the_per_op_path \
@@ -140,12 +144,13 @@ for step in "$@"; do
         # dropout), and the Triton kernels' own tests (padded and varlen attention, dropout,
         # every op, forward and backward; not opcheck/gradcheck/compile, which rerun the same
         # kernels many times). PyTorch's caching allocator hands out slices of larger blocks, so
-        # an overrun inside a block is invisible to memcheck: caching is off here. The pytest
-        # workers (xdist, where installed) are child processes, which --target-processes all
-        # instruments too: one process ran ~1.5 tests a second under memcheck on the H100
-        # (2026-11-26), and the Triton selection is ~390 tests.
+        # an overrun inside a block is invisible to memcheck: caching is off here. One pytest
+        # process ran ~1.5 tests a second under memcheck on the H100 (2026-11-26; the Triton
+        # selection is ~390 tests); 8 xdist workers (child processes, which --target-processes
+        # all instruments too) ran no test in 160 s on an H200 (2026-11-26, each starting CUDA
+        # under the tool), so workers only where SANITIZE_WORKERS asks for them.
         parallel=()
-        python -c "import xdist" 2>/dev/null && parallel=(-n "${GPU_TEST_WORKERS:-8}")
+        [ -n "${SANITIZE_WORKERS:-}" ] && parallel=(-n "$SANITIZE_WORKERS")
         for tool in memcheck racecheck; do
             run "sanitize-ext-$tool" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
                 compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 99 \
@@ -169,9 +174,10 @@ for step in "$@"; do
         run profile-graph-call env PYTHONPATH=. python scripts/profile_graph_call.py ;;
     profile-train)
         # The kernels of a training step's forward+backward (B32 L128, dropout 0.1), per backend;
-        # auto also with Triton's add-norm backward in the extension's place.
+        # auto also with the extension's add-norm backward in Triton's place (the default since
+        # the H200's profile of 2026-11-26).
         run profile-train env PYTHONPATH=. python scripts/profile_kernels.py --train --backends auto \
-            auto:triton-addnorm-bwd triton torch ;;
+            auto:extension-addnorm-bwd triton torch ;;
     profile-train-step)
         # A whole pretraining step (MLM + NSP heads, fused AdamW), reference and optimize(): wall
         # time against kernel time, and the vocabulary-sized ops' and the optimizer's shares.

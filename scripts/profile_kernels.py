@@ -10,9 +10,10 @@ the graph adds between kernels. --train: the kernels of a training step's forwar
 instead (train mode, dropout 0.1, a fixed output gradient; no graph). A GPU-only tool for
 scripts/gpu_session.sh's `profile` and `profile-train` steps.
 
-Besides the backends, ``auto:triton-addnorm-bwd``: backend auto with Triton's add-norm backward
-in the extension's place (ops.encoder_layer.EXTENSION_ADDNORM_BACKWARD off), to measure which
-of the two a training step should run.
+Besides the backends, ``auto:extension-addnorm-bwd`` and ``auto:triton-addnorm-bwd``: backend
+auto with the fused layer's add-norm backward set to the extension's or Triton's
+(ops.encoder_layer.EXTENSION_ADDNORM_BACKWARD on or off; plain ``auto`` runs the default), to
+measure which of the two a training step should run.
 """
 
 import argparse
@@ -42,7 +43,7 @@ def kernel_times(model, inputs, train):
         return kernel_breakdown(lambda: model(*inputs), FORWARDS)
 
 
-TRITON_ADDNORM_BWD = ":triton-addnorm-bwd"
+ADDNORM_BACKWARDS = {"extension-addnorm-bwd": True, "triton-addnorm-bwd": False}
 
 
 @contextlib.contextmanager
@@ -50,10 +51,10 @@ def variant(name):
     """Within: the backend variant ``name`` names (see the module docstring); the backend itself."""
     layer = importlib.import_module("bert_fast.ops.encoder_layer")
     backend, _, option = name.partition(":")
-    if option not in ("", TRITON_ADDNORM_BWD[1:]):
+    if option not in ("", *ADDNORM_BACKWARDS):
         raise ValueError(f"unknown variant {name!r}")
     previous = layer.EXTENSION_ADDNORM_BACKWARD
-    layer.EXTENSION_ADDNORM_BACKWARD = not option
+    layer.EXTENSION_ADDNORM_BACKWARD = ADDNORM_BACKWARDS.get(option, previous)
     try:
         yield backend
     finally:

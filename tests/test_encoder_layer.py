@@ -337,13 +337,14 @@ def test_fused_layer_through_the_kernels(backend, valid_lens, dropout):
 @pytest.mark.skipif("cuda" not in BACKENDS, reason="needs the compiled extension")
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
-def test_cuda_backend_with_tritons_addnorm_backward(dropout, activation, monkeypatch):
-    """The extension's add-norm forward and Triton's backward (EXTENSION_ADDNORM_BACKWARD off,
-    for a GPU profile to compare with the extension's backward): the same values and gradients
-    as the per-op path. Both draw _philox.py's mask, and the backward reads the forward's
-    statistics. On a GPU, or in the interpreter."""
+@pytest.mark.parametrize("extension_backward", [False, True], ids=["triton-bwd", "extension-bwd"])
+def test_cuda_backend_add_norm_backwards(extension_backward, dropout, activation, monkeypatch):
+    """The extension's add-norm forward with either backward (EXTENSION_ADDNORM_BACKWARD):
+    Triton's (the default) or the extension's: the same values and gradients as the per-op path.
+    Both draw _philox.py's mask, and Triton's backward reads the extension forward's statistics.
+    On a GPU, or in the interpreter."""
     layer = importlib.import_module("bert_fast.ops.encoder_layer")
-    monkeypatch.setattr(layer, "EXTENSION_ADDNORM_BACKWARD", False)
+    monkeypatch.setattr(layer, "EXTENSION_ADDNORM_BACKWARD", extension_backward)
     calls, triton_bwd = [], layer._add_layernorm_bwd_triton
     monkeypatch.setattr(layer, "_add_layernorm_bwd_triton", lambda *a, **k: (calls.append(1), triton_bwd(*a, **k))[1])
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -352,7 +353,7 @@ def test_cuda_backend_with_tritons_addnorm_backward(dropout, activation, monkeyp
     with contextlib.nullcontext() if device == "cuda" else kernels_on_cpu():
         fused, per_op = fused_and_per_op(block, x, ops.prepare_key_mask(VALID_LENS["1d"].to(device), L, "cuda"),
                                          grad_out)
-    assert len(calls) == 2, "Triton's backward ran for both add-norms"
+    assert len(calls) == (0 if extension_backward else 2), "which backward ran for the two add-norms"
     assert_same(fused, per_op, atol=1e-5)
 
 

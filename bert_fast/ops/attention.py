@@ -483,9 +483,14 @@ class _Tiles(NamedTuple):
 # Moved so far: the d = 64, 16-bit forward, from (128, 64, 8, 3) to (64, 64, 4, 3), the fastest
 # of 7 candidates at every suite shape on an H100 (scripts/attention_tiles.py, 2026-11-26:
 # B1 L128 10.4 vs 11.3 us, B128 L128 49.2 vs 51.7, B16 L512 padded 54.8 vs 56.5, varlen 26.4
-# vs 31.7; same outputs bit for bit, since BLOCK_N sets the order of the sums).
+# vs 31.7; same outputs bit for bit, since BLOCK_N sets the order of the sums). Its backward,
+# from dK/dV (32, 128, 8, 2) and dQ (128, 32, 8, 2) to (16, 64, 4, 2) and (64, 64, 4, 2), each the
+# fastest of 7 candidates at both shapes timed on an H200 (attention_tiles.py --backward,
+# 2026-11-26, the other kernel's tiles as they were; both kernels of a call, bf16, key mask):
+# dK/dV 51.0 vs 54.5 us at B32 L128, 213 vs 258 at B16 L512; dQ 50.0 vs 54.5 and 238 vs 258;
+# the same gradients bit for bit.
 _GPU_TILES = {
-    (64, 2): (_Tiles(64, 64, 4, 3), _Tiles(32, 128, 8, 2), _Tiles(128, 32, 8, 2)),
+    (64, 2): (_Tiles(64, 64, 4, 3), _Tiles(16, 64, 4, 2), _Tiles(64, 64, 4, 2)),
     (128, 2): (_Tiles(128, 32, 8, 2), _Tiles(32, 32, 8, 2), _Tiles(64, 32, 8, 2)),
     (256, 2): (_Tiles(32, 32, 8, 2), _Tiles(16, 32, 8, 2), _Tiles(32, 16, 8, 2)),
     # fp32 products are FMA loops (ieee precision): registers, not shared memory, limit the tiles.
