@@ -204,31 +204,32 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 HEAD_CONFIGS = ((12, 64), (4, 32), (2, 96), (2, 192))
 
 
-def _encoder(num_heads, head_dim, dtype, **options):
+def _encoder(num_heads, head_dim, dtype, device="cpu", **options):
     from .modules import FastBERTEncoder
     hidden = num_heads * head_dim
     return FastBERTEncoder(vocab_size=64, num_hiddens=hidden, norm_shape=[hidden], ffn_num_input=hidden,
                            ffn_num_hiddens=4 * hidden, num_heads=num_heads, num_layers=1, dropout=0.1,
                            max_len=64, key_size=hidden, query_size=hidden, value_size=hidden,
-                           backend="triton", **options).to(dtype)
+                           backend="triton", **options).to(device, dtype)
 
 
-def run_workload(dtype, num_heads, head_dim, batch=2, seqlen=24):
+def run_workload(dtype, num_heads, head_dim, batch=2, seqlen=24, device="cpu"):
     """Every launch path of the triton backend at one dtype and head configuration: training
     forward+backward (dropout on) and inference, for each valid_lens form, padded and
-    skip_padding, each activation, and the ops the modules do not reach on their own."""
+    skip_padding, each activation, and the ops the modules do not reach on their own. On CPU
+    tensors here; scripts/sanitize_kernels.py runs it on a GPU (``device="cuda"``)."""
     from . import ops
     from .ops.attention import _attention_dropout_keep_triton
     from .ops.embedding_layernorm import embedding_layernorm
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 64, (batch, seqlen), generator=generator)
-    segments = torch.randint(0, 2, (batch, seqlen), generator=generator)
-    valid_lens_forms = (None, torch.tensor([float(seqlen), seqlen / 2]),
-                        torch.arange(1, seqlen + 1).repeat(batch, 1))
+    tokens = torch.randint(0, 64, (batch, seqlen), generator=generator).to(device)
+    segments = torch.randint(0, 2, (batch, seqlen), generator=generator).to(device)
+    valid_lens_forms = (None, torch.tensor([float(seqlen), seqlen / 2], device=device),
+                        torch.arange(1, seqlen + 1, device=device).repeat(batch, 1))
     for activation, learn_pos in (("relu", False), ("gelu", True), ("gelu_tanh", False)):
         for skip_padding in (False, True):
-            encoder = _encoder(num_heads, head_dim, dtype, activation=activation, skip_padding=skip_padding,
-                               learn_pos_embedding=learn_pos)
+            encoder = _encoder(num_heads, head_dim, dtype, device, activation=activation,
+                               skip_padding=skip_padding, learn_pos_embedding=learn_pos)
             for valid_lens in valid_lens_forms:
                 if skip_padding and valid_lens is not None and valid_lens.dim() == 2:
                     continue          # skip_padding takes 1-D lengths
@@ -238,7 +239,7 @@ def run_workload(dtype, num_heads, head_dim, batch=2, seqlen=24):
                 with torch.no_grad():
                     encoder(tokens, segments, valid_lens)
     hidden = num_heads * head_dim
-    tables = [torch.randn(rows, hidden, dtype=dtype, requires_grad=True) for rows in (64, 2, 64)]
+    tables = [torch.randn(rows, hidden, dtype=dtype, device=device, requires_grad=True) for rows in (64, 2, 64)]
     tables[2] = tables[2].detach().unsqueeze(0).requires_grad_()
     for deterministic in (False, True):
         out = ops.embedding_sum(tokens, segments, *tables, backend="triton", learn_pos_embedding=True,
@@ -246,13 +247,13 @@ def run_workload(dtype, num_heads, head_dim, batch=2, seqlen=24):
         out.float().sum().backward()
     # HF's embeddings, LayerNorm fused in (padded ids, then packed ids with their positions); its
     # backward launches embedding_sum's kernels, compiled above.
-    norm = (torch.ones(hidden, dtype=dtype), torch.zeros(hidden, dtype=dtype))
-    positions = torch.arange(seqlen).repeat(batch)
+    norm = (torch.ones(hidden, dtype=dtype, device=device), torch.zeros(hidden, dtype=dtype, device=device))
+    positions = torch.arange(seqlen, device=device).repeat(batch)
     with torch.no_grad():
         embedding_layernorm(tokens, segments, tables[0], tables[1], tables[2][0], *norm, 1e-12, backend="triton")
         embedding_layernorm(tokens.flatten(), segments.flatten(), tables[0], tables[1], tables[2][0], *norm, 1e-12,
                             positions=positions, backend="triton")
-    _attention_dropout_keep_triton(batch, num_heads, seqlen, 0.1, torch.zeros(1, dtype=torch.int64))
+    _attention_dropout_keep_triton(batch, num_heads, seqlen, 0.1, torch.zeros(1, dtype=torch.int64, device=device))
     stage_graph_inputs(tokens, segments, valid_lens_forms)
 
 
@@ -262,22 +263,24 @@ def stage_graph_inputs(tokens, segments, valid_lens_forms):
     int32 ids; with segments the ids guarded (as when the value check reads after the replay)."""
     from .ops import graph_inputs
     batch, seqlen = tokens.shape
-    stats = torch.zeros(len(graph_inputs.STATS), dtype=torch.int64)
-    for lengths in (*valid_lens_forms, torch.full((batch,), seqlen), torch.full((batch,), seqlen).half()):
+    device = tokens.device
+    zeros = functools.partial(torch.zeros, device=device)
+    stats = zeros(len(graph_inputs.STATS), dtype=torch.int64)
+    for lengths in (*valid_lens_forms, torch.full((batch,), seqlen, device=device),
+                    torch.full((batch,), seqlen, device=device).half()):
         for ids, segment_ids in ((tokens, segments), (tokens.int(), None)):
             lengths_shape = (batch + 1,) if lengths is None or lengths.dim() == 1 else (batch + 1, seqlen + 8)
             lengths_dtype = torch.int64 if lengths is None else (
                 torch.float32 if lengths.dtype == torch.float16 else lengths.dtype)
-            buffers = (torch.zeros(batch + 1, seqlen + 8, dtype=ids.dtype), torch.zeros(batch + 1, seqlen + 8,
-                       dtype=ids.dtype), torch.zeros(lengths_shape, dtype=lengths_dtype))
+            buffers = (zeros(batch + 1, seqlen + 8, dtype=ids.dtype), zeros(batch + 1, seqlen + 8, dtype=ids.dtype),
+                       zeros(lengths_shape, dtype=lengths_dtype))
             graph_inputs.stage_inputs((ids, segment_ids, lengths), buffers, stats, full_length=seqlen,
                                       clamp=lengths is not None,
                                       id_limits=None if segment_ids is None else (int(tokens.max()) + 1, 2))
     # Hugging Face models' attention masks: a bool buffer, the mask given or None.
-    for mask in (None, torch.ones(batch, seqlen, dtype=torch.int64)):
-        buffers = (torch.zeros(batch + 1, seqlen + 8, dtype=tokens.dtype),
-                   torch.zeros(batch + 1, seqlen + 8, dtype=segments.dtype),
-                   torch.zeros(batch + 1, seqlen + 8, dtype=torch.bool))
+    for mask in (None, torch.ones(batch, seqlen, dtype=torch.int64, device=device)):
+        buffers = (zeros(batch + 1, seqlen + 8, dtype=tokens.dtype), zeros(batch + 1, seqlen + 8, dtype=segments.dtype),
+                   zeros(batch + 1, seqlen + 8, dtype=torch.bool))
         graph_inputs.stage_inputs((tokens, segments, mask), buffers, stats, full_length=seqlen, clamp=False)
 
 

@@ -141,14 +141,16 @@ for step in "$@"; do
     sanitize)
         # Memory errors and shared-memory races in every kernel: the CUDA extension on shapes
         # that cover each kernel variant (warp and block per row, vector and scalar paths,
-        # dropout), and the Triton kernels' own tests (padded and varlen attention, dropout,
-        # every op, forward and backward; not opcheck/gradcheck/compile, which rerun the same
-        # kernels many times). PyTorch's caching allocator hands out slices of larger blocks, so
-        # an overrun inside a block is invisible to memcheck: caching is off here. One pytest
-        # process ran ~1.5 tests a second under memcheck on the H100 (2026-11-26; the Triton
-        # selection is ~390 tests); 8 xdist workers (child processes, which --target-processes
-        # all instruments too) ran no test in 160 s on an H200 (2026-11-26, each starting CUDA
-        # under the tool), so workers only where SANITIZE_WORKERS asks for them.
+        # dropout), and every Triton kernel in every specialisation kernel_resources compiles,
+        # each launched for real (scripts/sanitize_kernels.py: dtypes x head dims, padded and
+        # varlen attention, dropout, forward and backward, embeddings, graph staging; it exits
+        # 1 if a kernel of the op files was never launched). PyTorch's caching allocator hands
+        # out slices of larger blocks, so an overrun inside a block is invisible to memcheck:
+        # caching is off here. One pytest process ran ~1.5 tests a second under memcheck on the
+        # H100 (2026-11-26), too slow for the Triton kernels' ~390 tests, and 8 xdist workers
+        # (child processes, which --target-processes all instruments too) ran no test in 160 s
+        # on an H200 (each starting CUDA under the tool): workers only where SANITIZE_WORKERS
+        # asks for them.
         parallel=()
         [ -n "${SANITIZE_WORKERS:-}" ] && parallel=(-n "$SANITIZE_WORKERS")
         for tool in memcheck racecheck; do
@@ -156,11 +158,8 @@ for step in "$@"; do
                 compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 99 \
                 python -m pytest -q -x -p no:cacheprovider "${parallel[@]}" tests/test_ext_cuda.py \
                 -k "768 or 4096 or misaligned or dropout or empty"
-            run "sanitize-triton-$tool" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
-                compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 99 \
-                python -m pytest -q -x -p no:cacheprovider "${parallel[@]}" tests/test_attention_triton.py \
-                tests/test_add_layernorm_triton.py tests/test_embedding_triton.py tests/test_bias_act_triton.py \
-                tests/test_column_sums.py tests/test_id_guards.py tests/test_graph_inputs.py -k "not opcheck and not gradcheck and not compile"
+            run "sanitize-triton-$tool" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 PYTHONPATH=. \
+                compute-sanitizer --tool "$tool" --error-exitcode 99 python scripts/sanitize_kernels.py
         done ;;
     kernels)
         run kernels python -m bert_fast.kernel_bench --json "$results/$stamp-kernels.json" ;;

@@ -20,8 +20,9 @@ import textwrap
 import pytest
 import torch
 
-from bert_fast import host_bench
+from bert_fast import host_bench, kernel_resources
 from bert_fast.ops._triton import HAS_TRITON, launch
+from tests.helpers import needs_kernels
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 
@@ -296,3 +297,14 @@ def test_gpu_kept_kernel_launches_match_tritons_launcher(dtype, monkeypatch):
                 assert torch.equal(a, b), f"output {index} differs"
             else:
                 torch.testing.assert_close(a, b, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_sanitizer_workload_launches_every_kernel(capsys):
+    """scripts/sanitize_kernels.py, what `gpu_session.sh sanitize` runs under compute-sanitizer:
+    kernel_resources' workload launched for real (here through the interpreter, on a GPU on CUDA
+    tensors) reaches every Triton kernel in the op files, else it exits 1 naming the others."""
+    from scripts import sanitize_kernels
+    assert sanitize_kernels.main(["--dtype", "fp32", "--heads", "2x32"]) == 0
+    out = capsys.readouterr().out
+    assert f"of {len(kernel_resources.defined_kernels())} kernels" in out, out
