@@ -202,6 +202,12 @@ for step in "$@"; do
         # H100, 2026-11-26: 4-5x faster than the old one) under candidate launch shapes, at 128, 4096 and 8192 rows of 768, with and without
         # dropout. The candidates compile for sm_90 without spills (kernel_resources, triton 3.9).
         run layernorm-tiles env PYTHONPATH=. python scripts/layernorm_bwd_tiles.py ;;
+    layernorm-fwd-tiles)
+        # Triton's add_layernorm forward under 7 launch shapes (rows a program, warps), at 128,
+        # 4096 and 16384 rows of 768 (B128 L128's, beyond L2), inference and with dropout: its
+        # shape is still the one the backward left for 4-5x its speed. New, not yet run; the
+        # candidates compile for sm_90 without spills (32-80 registers, triton 3.9).
+        run layernorm-fwd-tiles env PYTHONPATH=. python scripts/layernorm_bwd_tiles.py --forward ;;
     bias-act-tiles)
         # Triton's bias_act backward (117 µs a call in the H100's training step, a fifth of its
         # forward's bandwidth; its reduction changed since) under candidate launch shapes, at
