@@ -49,13 +49,19 @@ def parse_tiles(text):
     return attention._Tiles(block_m, block_n, warps, stages)
 
 
-def cases(shape, device):
+def dropout_args(dropout_p, device):
+    """(dropout_p, seed) for the ops: a fixed seed, so every candidate draws the same mask."""
+    return dropout_p, (torch.tensor([1234], dtype=torch.int64, device=device) if dropout_p else None)
+
+
+def cases(shape, device, dropout_p=0.0):
     """(name, forward, tflop) of the shape: the padded call, and varlen for shapes with padding."""
     tokens, _, valid_lens = make_inputs(shape.batch, shape.seq, shape.min_len_frac, 30522, 0, device)
     batch, seqlen = tokens.shape
     qkv = torch.randn(batch, seqlen, 3 * HEADS * HEAD_DIM, device=device, dtype=DTYPE)
     padded_tflop = 4 * batch * HEADS * seqlen**2 * HEAD_DIM / 1e12
-    found = [("padded, key mask", lambda: attention._attention_fwd_triton(qkv, valid_lens, HEADS, 0.0, None)[0],
+    dropout = dropout_args(dropout_p, device)
+    found = [("padded, key mask", lambda: attention._attention_fwd_triton(qkv, valid_lens, HEADS, *dropout)[0],
               padded_tflop)]
     lengths = valid_lens.tolist()
     if min(lengths) < seqlen:
@@ -65,7 +71,7 @@ def cases(shape, device):
         cu_seqlens[1:] = torch.cumsum(valid_lens, 0)
         varlen_tflop = sum(4 * HEADS * n**2 * HEAD_DIM for n in lengths) / 1e12
         found.append(("varlen", lambda: attention._varlen_attention_fwd_triton(
-            packed, cu_seqlens, HEADS, seqlen, 0.0, None, filler=False)[0], varlen_tflop))
+            packed, cu_seqlens, HEADS, seqlen, *dropout, filler=False)[0], varlen_tflop))
     return found
 
 
@@ -84,24 +90,26 @@ def print_row(text, tiles, call, expected, tflop):
     print(f"| {text} | {ms * 1e3:.1f} | {tflop / (ms / 1e3):.0f} | {diff:.2g} |")
 
 
-def backward_case(shape, device):
+def backward_case(shape, device, dropout_p=0.0):
     """The padded backward of the shape (key mask): a closure and its TFLOP."""
     tokens, _, valid_lens = make_inputs(shape.batch, shape.seq, shape.min_len_frac, 30522, 0, device)
     batch, seqlen = tokens.shape
     qkv = torch.randn(batch, seqlen, 3 * HEADS * HEAD_DIM, device=device, dtype=DTYPE)
-    out, lse = attention._attention_fwd_triton(qkv, valid_lens, HEADS, 0.0, None)
+    dropout = dropout_args(dropout_p, device)
+    out, lse = attention._attention_fwd_triton(qkv, valid_lens, HEADS, *dropout)
     grad = torch.randn_like(out)
     tflop = 2.5 * 4 * batch * HEADS * seqlen**2 * HEAD_DIM / 1e12
-    return (lambda: attention._attention_bwd_triton(grad, qkv, out, lse, valid_lens, HEADS, 0.0, None)), tflop
+    return (lambda: attention._attention_bwd_triton(grad, qkv, out, lse, valid_lens, HEADS, *dropout)), tflop
 
 
 def time_backward(options, device):
     current = attention._GPU_TILES[KEY]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; attention backward, {HEADS} heads x "
-          f"{HEAD_DIM}, bf16; current tiles dK/dV {','.join(map(str, current[1]))}, dQ {','.join(map(str, current[2]))}")
+          f"{HEAD_DIM}, bf16, dropout {options.dropout}; current tiles dK/dV {','.join(map(str, current[1]))}, "
+          f"dQ {','.join(map(str, current[2]))}")
     for shape_name in options.shapes:
         shape = SHAPES[shape_name]
-        backward, tflop = backward_case(shape, device)
+        backward, tflop = backward_case(shape, device, options.dropout)
         with torch.inference_mode():
             expected = backward()
             for index, kernel, candidates in ((1, "dK/dV", DKDV_CANDIDATES), (2, "dQ", DQ_CANDIDATES)):
@@ -119,6 +127,7 @@ def main():
                         help="default latency dense long; with --backward, train long")
     parser.add_argument("--tiles", nargs="+", default=CANDIDATES, help="BLOCK_M,BLOCK_N,warps,stages")
     parser.add_argument("--backward", action="store_true", help="the backward's two kernels instead")
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout on the weights (training's 0.1)")
     options = parser.parse_args()
     device = torch.device("cuda")
     if options.backward:
@@ -128,10 +137,10 @@ def main():
     options.shapes = options.shapes or ["latency", "dense", "long"]
     current = attention._GPU_TILES[KEY]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; attention forward, {HEADS} heads x "
-          f"{HEAD_DIM}, bf16; current tiles {','.join(map(str, current[0]))}")
+          f"{HEAD_DIM}, bf16, dropout {options.dropout}; current tiles {','.join(map(str, current[0]))}")
     for shape_name in options.shapes:
         shape = SHAPES[shape_name]
-        for name, forward, tflop in cases(shape, device):
+        for name, forward, tflop in cases(shape, device, options.dropout):
             print(f"\n## {shape_name} B{shape.batch} L{shape.seq}, {name}\n"
                   "| tiles | µs / call | TFLOP/s | max diff vs current |\n|---|---|---|---|")
             with torch.inference_mode():

@@ -197,6 +197,12 @@ for step in "$@"; do
         # train and long shapes (padded, key mask): ours took 99 µs a layer in the H100's
         # training step against cuDNN's 34. The candidates compile for sm_90 without spills.
         run attention-bwd-tiles env PYTHONPATH=. python scripts/attention_tiles.py --backward ;;
+    attention-dropout-tiles)
+        # The same with dropout 0.1 on the weights (a training step's), since the kernels draw
+        # four keys' masks from one Philox call (2026-11-26, not yet timed; the H200's
+        # profile-train before it: 48.5 and 47.5 µs a launch for dK/dV and dQ at B32 L128 with
+        # dropout, ~27 without).
+        run attention-dropout-tiles env PYTHONPATH=. python scripts/attention_tiles.py --backward --dropout 0.1 ;;
     layernorm-tiles)
         # Triton's add_layernorm backward (its shape chosen from this step's first run on the
         # H100, 2026-11-26: 4-5x faster than the old one) under candidate launch shapes, at 128, 4096 and 8192 rows of 768, with and without

@@ -9,6 +9,12 @@ with ``uniform`` the map of ``triton.language.rand``. The Triton kernels call ``
 ``tl.philox``; the CPU twins here compute the same bits with int64 tensor arithmetic, so a
 kernel's dropout can be compared with its twin bit for bit, and the C++/CUDA ops with both.
 
+The attention weights' masks (Triton's kernels and their CPU twin; no C++ op drops attention
+weights) take four keys from one Philox call, a quarter of the integer work a weight, the
+largest cost of the attention kernels with dropout: weight (i, j) of head ``bh`` in rows of
+``L`` keys is kept iff uniform(word ``j % 4`` of Philox4x32-10, key = seed, counter =
+(i * ceil(L / 4) + j // 4, bh, 0, 0)) >= p (attention._dropout_keep).
+
 The seed is a one-element int64 tensor on the inputs' device, drawn with ``torch.randint``
 from that device's default generator: no host round trip, so the ops keep working under CUDA
 graphs and ``torch.compile(fullgraph=True)``, and ``torch.manual_seed`` repeats a run.
@@ -48,6 +54,12 @@ def philox_bits(seed, c0, c1):
     ``seed``: one-element int64 tensor; ``c0``, ``c1``: int64 tensors of uint32 values
     (broadcastable). Matches ``tl.philox(seed, c0, c1, 0, 0)[0]`` with 32-bit counters.
     """
+    return philox_words(seed, c0, c1)[0]
+
+
+def philox_words(seed, c0, c1):
+    """The four words of Philox4x32-10 for counters (c0, c1, 0, 0), as philox_bits gives the
+    first: ``tl.philox(seed, c0, c1, 0, 0)``."""
     seed = seed.reshape(()).to(torch.int64)
     k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
     c0, c1 = torch.broadcast_tensors(c0, c1)
@@ -58,7 +70,7 @@ def philox_bits(seed, c0, c1):
         # hi_b and hi_a are fresh tensors (never the caller's c0, c1): xor'ed in place.
         c0, c1, c2, c3 = hi_b.bitwise_xor_(c1).bitwise_xor_(k0), lo_b, hi_a.bitwise_xor_(c3).bitwise_xor_(k1), lo_a
         k0, k1 = (k0 + _KEY_A) & _MASK32, (k1 + _KEY_B) & _MASK32
-    return c0
+    return c0, c1, c2, c3
 
 
 def philox_uniform(bits):

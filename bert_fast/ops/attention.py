@@ -26,10 +26,11 @@ has LSE = -1e6 + log L, where fp32 resolves only steps of 1/16, so a backward th
 its weights as exp(score - LSE) would get 1/L wrong by up to ~4%. Kernels read the fp64 LSE once
 per row and split it into two fp32 parts; all per-element math stays fp32.
 
-Dropout on the weights: keep (b, h, i, j) iff philox(seed, counter=(i * L + j, b * heads + h))
-mapped to [0, 1) is >= p (the mask definition of _philox.py: the CPU twins draw the same bits),
-kept weights scaled by 1/(1-p); ``seed`` is a one-element int64 tensor on the device. The
-counter is unique per element for L <= 65536, and the backward kernels regenerate the same bits.
+Dropout on the weights: keep (b, h, i, j) iff word j % 4 of philox(seed, counter=(i * ceil(L / 4)
++ j // 4, b * heads + h)) mapped to [0, 1) is >= p (_philox.py's attention mask: one Philox call
+for four keys; the CPU twin draws the same bits), kept weights scaled by 1/(1-p); ``seed`` is a
+one-element int64 tensor on the device. The counter is unique per four weights for L <= 65536,
+and the backward kernels regenerate the same bits.
 
 Cost model, per (batch, head) with sequence length L and head dim d (e = bytes per element):
   forward   2 GEMMs (Q K^T, P V): 4 L^2 d FLOPs. HBM: Q, K, V read once per query block (K, V
@@ -54,7 +55,7 @@ from torch.nn import functional as F
 from ..reference import MASK_VALUE
 from ._autograd import (deferred_ops, forbid_double_backward, once_differentiable, records_grad, thin_apply,
                         use_registered_op)
-from ._philox import check_seed, dropout_keep, dropout_seed
+from ._philox import check_seed, dropout_seed, philox_uniform, philox_words
 from ._triton import (as_dtype, cdiv, compute_dtype, cpu_kernel, interpreting, launch, require_triton, tl,
                       triton, uses_triton, values_on_host)
 from .padding import pad, unpad
@@ -193,12 +194,23 @@ def _sequence_span(cu_seqlens, b, max_seqlen, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _dropout_keep(seed_ptr, bh, queries, keys, max_seqlen, dropout_p):
-    """Keep mask for broadcastable query / key index blocks of (batch * heads + head) ``bh``."""
-    counter = (queries.to(tl.int64) * max_seqlen + keys).to(tl.uint32)
+def _dropout_keep(seed_ptr, bh, queries, first_key, max_seqlen, dropout_p,
+                  BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Keep mask (BLOCK_Q, BLOCK_K) of the weights of ``queries`` and keys first_key + 0..BLOCK_K-1
+    (first_key a multiple of 4) of (batch * heads + head) ``bh``. One Philox call draws four
+    consecutive keys' words, where the integer work of a call per weight was the largest cost of
+    the kernels with dropout; the words are interleaved back into key order."""
+    groups = first_key // 4 + tl.arange(0, BLOCK_K // 4)
+    counter = (queries.to(tl.int64)[:, None] * ((max_seqlen + 3) // 4) + groups[None, :]).to(tl.uint32)
     zero = counter * 0
-    bits, _, _, _ = tl.philox(tl.load(seed_ptr), counter, zero + bh.to(tl.uint32), zero, zero)
-    return tl.uint_to_uniform_float(bits) >= dropout_p
+    w0, w1, w2, w3 = tl.philox(tl.load(seed_ptr), counter, zero + bh.to(tl.uint32), zero, zero)
+    k0 = (tl.uint_to_uniform_float(w0) >= dropout_p).to(tl.int8)
+    k1 = (tl.uint_to_uniform_float(w1) >= dropout_p).to(tl.int8)
+    k2 = (tl.uint_to_uniform_float(w2) >= dropout_p).to(tl.int8)
+    k3 = (tl.uint_to_uniform_float(w3) >= dropout_p).to(tl.int8)
+    # (Q, K/4, 2, 2) holding [k0, k1; k2, k3] per group: row-major, the keys in order.
+    keep = tl.join(tl.join(k0, k2), tl.join(k1, k3))
+    return tl.reshape(keep, (BLOCK_Q, BLOCK_K)) != 0
 
 
 @triton.jit
@@ -268,7 +280,7 @@ def _attention_fwd_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
-            keep = _dropout_keep(seed_ptr, bh, queries[:, None], keys[None, :], max_seqlen, dropout_p)
+            keep = _dropout_keep(seed_ptr, bh, queries, start_n, max_seqlen, dropout_p, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -350,7 +362,7 @@ def _attention_bwd_dkdv_kernel(
         p_t = tl.exp2(s_t - lse_hi[None, :] - lse_lo[None, :])
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
-            keep_t = _dropout_keep(seed_ptr, bh, queries[None, :], keys[:, None], max_seqlen, dropout_p)
+            keep_t = tl.trans(_dropout_keep(seed_ptr, bh, queries, start_n, max_seqlen, dropout_p, BLOCK_M, BLOCK_N))
             keep_scale = 1.0 / (1.0 - dropout_p)
             z_t = tl.where(keep_t, p_t * keep_scale, 0.0)
             dp_t = tl.where(keep_t, dp_t * keep_scale, 0.0)
@@ -426,6 +438,8 @@ def _attention_bwd_dq_kernel(
     qk_scale = sm_scale * _LOG2E
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(0, seq_len, BLOCK_N):
+        if HAS_DROPOUT:
+            keep = _dropout_keep(seed_ptr, bh, queries, start_n, max_seqlen, dropout_p, BLOCK_M, BLOCK_N)
         keys = start_n + offs_n
         kv_mask = (keys < seq_len)[:, None] & d_ok[None, :]
         k_block = qkv + (hidden * stride_qkv_f + start_n * stride_qkv_l)
@@ -438,7 +452,6 @@ def _attention_bwd_dq_kernel(
         p = tl.exp2(s - lse_hi[:, None] - lse_lo[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
-            keep = _dropout_keep(seed_ptr, bh, queries[:, None], keys[None, :], max_seqlen, dropout_p)
             dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta_rows[:, None])
         if HAS_VALID_LENS:
@@ -458,7 +471,7 @@ def _attention_dropout_keep_kernel(keep, max_seqlen, dropout_p, seed_ptr,
     queries = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     keys = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     bh = tl.program_id(2)
-    kept = _dropout_keep(seed_ptr, bh, queries[:, None], keys[None, :], max_seqlen, dropout_p)
+    kept = _dropout_keep(seed_ptr, bh, queries, tl.program_id(1) * BLOCK_N, max_seqlen, dropout_p, BLOCK_M, BLOCK_N)
     tl.store(keep + bh.to(tl.int64) * max_seqlen * max_seqlen + queries[:, None] * max_seqlen + keys[None, :],
              kept.to(tl.int8), mask=(queries < max_seqlen)[:, None] & (keys < max_seqlen)[None, :])
 
@@ -752,12 +765,16 @@ def _merge_heads_cpu(x):
 
 
 def _attention_dropout_keep_cpu(batch, num_heads, max_seqlen, dropout_p, seed):
-    """The kernels' keep mask (B, heads, L, L), bit for bit: counters (query * L + key,
-    batch * heads + head), see _dropout_keep."""
-    positions = torch.arange(max_seqlen, dtype=torch.int64, device=seed.device)
-    counter = (positions[:, None] * max_seqlen + positions[None, :]) & 0xFFFFFFFF
+    """The kernels' keep mask (B, heads, L, L), bit for bit: key j of query i is word j % 4 of
+    the Philox call with counters (i * ceil(L / 4) + j // 4, batch * heads + head), see
+    _dropout_keep."""
+    groups = cdiv(max_seqlen, 4)
+    counter = (torch.arange(max_seqlen, dtype=torch.int64, device=seed.device)[:, None] * groups
+               + torch.arange(groups, dtype=torch.int64, device=seed.device)[None, :]) & 0xFFFFFFFF
     bh = torch.arange(batch * num_heads, dtype=torch.int64, device=seed.device).view(batch, num_heads, 1, 1)
-    return dropout_keep(seed, dropout_p, counter, bh)
+    words = torch.stack(philox_words(seed, counter, bh), dim=-1)          # (B, heads, L, groups, 4)
+    keys = words.flatten(-2)[..., :max_seqlen]
+    return philox_uniform(keys) >= torch.tensor(dropout_p, dtype=torch.float32)
 
 
 def _attention_weights_cpu(q, k, valid_lens, dropout_p, seed):
