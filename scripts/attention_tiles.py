@@ -19,7 +19,9 @@ benchmarks/results/nvidia-h100-80gb-hbm3-2026-11-26T1517-profile-train.log) the 
 The dK/dV tiles were (32, 128) on 8 warps, 172 registers a thread (ptxas, sm_90), so one
 program resident per SM: at B32 L128 its 384 programs ran in three waves of 132; the candidates
 take 128-210 (2-4 resident where under ~130 at 8 warps or ~170 at 4). On an H200 (2026-11-26)
-dK/dV (16, 64, 4, 2) and dQ (64, 64, 4, 2) were the fastest at both shapes, the tiles since.
+dK/dV (16, 64, 4, 2) and dQ (64, 64, 4, 2) were the fastest at both shapes; on an H100
+(2026-11-27) dK/dV on 3 stages beat them in all four cases (with and without dropout), the tiles
+since. With dropout dQ (64, 32, 4, 2) was 5-11 µs faster, without it 3-11 µs slower: not taken.
 First the dK/dV kernel's candidates with the dQ kernel's tiles as they are, then the dQ
 kernel's; TFLOP/s on the backward's 2.5x the forward's work. The candidates compile for sm_90
 without spills (kernel_resources, triton 3.9).
@@ -40,7 +42,7 @@ KEY = (HEAD_DIM, 2)          # attention._GPU_TILES' key for head dim 64, 2-byte
 CANDIDATES = ["128,64,8,3", "128,128,8,2", "128,64,4,3", "64,64,4,3", "64,128,4,2", "64,32,4,3", "128,32,8,3"]
 # The backward's: the current tiles first. dK/dV: BLOCK_M queries a step over BLOCK_N keys a
 # program; dQ: BLOCK_M queries a program, BLOCK_N keys a step.
-DKDV_CANDIDATES = ["16,64,4,2", "32,128,8,2", "16,32,4,2", "32,64,4,2", "16,64,4,3", "16,128,4,2", "16,64,2,2"]
+DKDV_CANDIDATES = ["16,64,4,3", "32,128,8,2", "16,32,4,2", "32,64,4,2", "16,64,4,2", "16,128,4,2", "16,64,2,2"]
 DQ_CANDIDATES = ["64,64,4,2", "128,32,8,2", "64,64,4,3", "64,32,4,2", "32,64,4,2", "64,128,4,2", "128,64,8,2"]
 
 
