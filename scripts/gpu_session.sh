@@ -223,6 +223,11 @@ for step in "$@"; do
         # forward's bandwidth; its reduction changed since) under candidate launch shapes, at
         # 4096 and 8192 rows of 3072, ReLU and GELU. The candidates compile for sm_90 without spills.
         run bias-act-tiles env PYTHONPATH=. python scripts/bias_act_bwd_tiles.py ;;
+    column-sums-tiles)
+        # The joint column sums of a training layer's backward (29.7 us a launch in the H100's
+        # profile-train of 2026-11-27, where ~10 MB read takes ~4 us) and one buffer's, under
+        # candidate blocks, specialised or not, beside PyTorch's sum(0).
+        run column-sums-tiles env PYTHONPATH=. python scripts/column_sums_tiles.py ;;
     small-m-gemm)
         # A BERT-base layer's GEMMs at 128 rows: cuBLAS against Inductor's max-autotune choice
         # (Triton templates): whether a Triton GEMM could cut the B1 L128 graph's GEMM time.
