@@ -33,8 +33,11 @@
 # late that day: build 50 s, tests-gpu 132 s (963 tests, 8 workers, to the end),
 # profile-graph-call 24 s, suite-base 129 s, profile-train 24 s, kernels-small 18 s,
 # attention-bwd-tiles 13 s, layernorm-tiles 9 s, bias-act-tiles 8 s: 420 s in one call; then
-# sanitize with 8 workers ran nothing in 166 s (serial since). `tests` (the whole suite) and
-# `sanitize` to its end have not run on a GPU.
+# sanitize with 8 workers ran nothing in 166 s (serial since). On an H100 on 2026-11-27: build
+# 71 s, tests-gpu 133 s (976 tests, to the end), profile-train 26 s, attention-dropout-tiles 19 s,
+# layernorm-fwd-tiles 12 s, suite-base cut at 145 s with the compiled reference (3 of 4 shapes),
+# 61 s with --no-compile; suite-train with SUITE_ARGS="--no-compile --preset base" 19-44 s.
+# `tests` (the whole suite) and `sanitize` to its end have not run on a GPU.
 # A machine held idle for 30 s is given back and the next call starts a bare one (build again).
 #
 # STEP_TIMEOUT=S interrupts each step after S seconds (SIGINT: pytest prints what ran, and the
@@ -142,7 +145,7 @@ for step in "$@"; do
         python -c "import xdist" 2>/dev/null && parallel=(-n "${GPU_TEST_WORKERS:-8}")
         run tests python -m pytest -q -p no:cacheprovider "${parallel[@]}" --durations=30 \
             --junitxml "$results/$stamp-tests.xml" tests ;;
-    sanitize)
+    sanitize|sanitize-memcheck|sanitize-racecheck)
         # Memory errors and shared-memory races in every kernel: the CUDA extension on shapes
         # that cover each kernel variant (warp and block per row, vector and scalar paths,
         # dropout), and every Triton kernel in every specialisation kernel_resources compiles,
@@ -154,16 +157,21 @@ for step in "$@"; do
         # H100 (2026-11-26), too slow for the Triton kernels' ~390 tests, and 8 xdist workers
         # (child processes, which --target-processes all instruments too) ran no test in 160 s
         # on an H200 (each starting CUDA under the tool): workers only where SANITIZE_WORKERS
-        # asks for them.
+        # asks for them. On an H100 (2026-11-27) the Triton half under memcheck took 35 s for
+        # its first configuration (fp16 12x64, compiling) and 20 s for the next: ~4-5 minutes for
+        # its 12 (SANITIZE_ARGS, e.g. "--dtype bf16 --heads 12x64", picks fewer). `sanitize` runs
+        # both tools; sanitize-memcheck and sanitize-racecheck one each, for one call apiece.
         parallel=()
         [ -n "${SANITIZE_WORKERS:-}" ] && parallel=(-n "$SANITIZE_WORKERS")
-        for tool in memcheck racecheck; do
+        tools=(memcheck racecheck)
+        [ "$step" = sanitize ] || tools=("${step#sanitize-}")
+        for tool in "${tools[@]}"; do
             run "sanitize-ext-$tool" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
                 compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 99 \
                 python -m pytest -q -x -p no:cacheprovider "${parallel[@]}" tests/test_ext_cuda.py \
                 -k "768 or 4096 or misaligned or dropout or empty"
             run "sanitize-triton-$tool" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 PYTHONPATH=. \
-                compute-sanitizer --tool "$tool" --error-exitcode 99 python scripts/sanitize_kernels.py
+                compute-sanitizer --tool "$tool" --error-exitcode 99 python scripts/sanitize_kernels.py ${SANITIZE_ARGS:-}  # shellcheck disable=SC2086
         done ;;
     kernels)
         run kernels python -m bert_fast.kernel_bench --json "$results/$stamp-kernels.json" ;;
