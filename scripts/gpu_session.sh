@@ -170,8 +170,9 @@ for step in "$@"; do
                 compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 99 \
                 python -m pytest -q -x -p no:cacheprovider "${parallel[@]}" tests/test_ext_cuda.py \
                 -k "768 or 4096 or misaligned or dropout or empty"
+            # shellcheck disable=SC2086  # SANITIZE_ARGS is a list of options
             run "sanitize-triton-$tool" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 PYTHONPATH=. \
-                compute-sanitizer --tool "$tool" --error-exitcode 99 python scripts/sanitize_kernels.py ${SANITIZE_ARGS:-}  # shellcheck disable=SC2086
+                compute-sanitizer --tool "$tool" --error-exitcode 99 python scripts/sanitize_kernels.py ${SANITIZE_ARGS:-}
         done ;;
     kernels)
         run kernels python -m bert_fast.kernel_bench --json "$results/$stamp-kernels.json" ;;
