@@ -19,6 +19,7 @@ from .checks import (check_dropout, check_encoder_inputs, check_encoder_shapes, 
 from .cuda_graph import DEFAULT_MAX_GRAPHS, clear_cuda_graphs, graphed_forward
 from .extension import require_extension
 from .ops._autograd import autocasting
+from .ops.add_layernorm import MAX_HIDDEN
 from .reference import AddNorm, BERTModel, MaskLM, NextSentencePred
 
 
@@ -376,6 +377,11 @@ def fused_layer(X, key_mask, backend, num_heads, dropout_p, activation, linears,
             g1["weight"], g1["bias"], d1["weight"], d1["bias"], d2["weight"], d2["bias"], g2["weight"], g2["bias"])
     if (flat[3] is None) != (flat[4] is None) or (flat[3] is None) != (flat[5] is None):
         return None        # some Q/K/V projections with a bias, some without
+    # The layer's Triton add-norms skip their input checks (the layer makes their inputs): what
+    # they would reject takes the per-op path, which says what is wrong.
+    hidden = X.shape[-1]
+    if not ln1.normalized_shape == ln2.normalized_shape == (hidden,) or hidden > MAX_HIDDEN:
+        return None
     spec = ops.LayerSpec(num_heads, dropout_p, activation, ln1.eps, ln2.eps, backend == "cuda", amp_dtype)
     if spec.extension:
         require_extension(X)

@@ -208,6 +208,22 @@ def test_where_the_fused_layer_does_not_apply(backend):
     assert (hooked - plain).abs().max() > 1e-3, "the hook's change did not reach the output"
 
 
+@needs_kernels
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_norm_the_add_norm_kernel_cannot_take_runs_the_per_op_path(backend, monkeypatch):
+    """The fused layer's Triton add-norms skip their input checks: a LayerNorm over other than
+    the hidden features (here swapped in after construction, as optimize() or an HF layer can
+    hand one over) must take the per-op path, whose add-norm says what is wrong, never reach
+    a kernel that would read its (L, H) weight as an (H,) one."""
+    block = make_block(backend).eval()
+    block.addnorm2.ln = torch.nn.LayerNorm((L, H))
+    x, _ = inputs()
+    with kernels_on_cpu(), counting_fused_calls(monkeypatch) as calls, torch.inference_mode():
+        with pytest.raises(ValueError, match=r"weight must have shape \(32,\)"):
+            block(x, None)
+    assert not calls, "the fused layer ran"
+
+
 # Under autocast the fused layer makes autocast's casts itself: the GEMMs, attention and
 # activation in autocast's dtype, the add-norms in fp32. Against the per-op path under the same
 # autocast it differs by rounding only: ReLU's bias is added in the GEMM's fp32 accumulator (the

@@ -180,10 +180,19 @@ def _attention_backward(grad, qkv, key_mask, num_heads, dropout_p, seed, saved):
 
 def _layernorm_forward(extension, stats):
     """The add-norm's forward; ``stats``: whether a backward will read its statistics (the
-    extension's op stores them either way)."""
+    extension's op stores them either way). Triton's without its input checks: the layer
+    makes its inputs itself."""
     if extension:
         return _ext_fwd
-    return _add_layernorm_fwd if stats else _add_layernorm_fwd_output
+    return _unchecked_norm_with_stats if stats else _unchecked_norm_output
+
+
+def _unchecked_norm_with_stats(x, residual, weight, bias, eps, seed, p):
+    return _add_layernorm_fwd(x, residual, weight, bias, eps, seed, p, True, False)
+
+
+def _unchecked_norm_output(x, residual, weight, bias, eps, seed, p):
+    return _add_layernorm_fwd_output(x, residual, weight, bias, eps, seed, p, False)
 
 
 class _DeferredSums:
