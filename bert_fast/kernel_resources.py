@@ -254,7 +254,32 @@ def run_workload(dtype, num_heads, head_dim, batch=2, seqlen=24, device="cpu"):
         embedding_layernorm(tokens.flatten(), segments.flatten(), tables[0], tables[1], tables[2][0], *norm, 1e-12,
                             positions=positions, backend="triton")
     _attention_dropout_keep_triton(batch, num_heads, seqlen, 0.1, torch.zeros(1, dtype=torch.int64, device=device))
+    if head_dim == 64:      # BERT's; each config compiles 3 more variants per dtype and arch
+        one_kernel_attention_backward(dtype, num_heads, head_dim, batch, device)
     stage_graph_inputs(tokens, segments, valid_lens_forms)
+
+
+def one_kernel_attention_backward(dtype, num_heads, head_dim, batch, device, seqlen=128):
+    """The attention backward in one launch (off by default: ops.attention's
+    ONE_KERNEL_BACKWARD_MAX_SEQLEN), at BERT's training length, whose 128 keys one program holds:
+    padded with a key mask and dropout, without either, and packed (varlen) with dropout."""
+    attention = importlib.import_module("bert_fast.ops.attention")
+    saved = attention.ONE_KERNEL_BACKWARD_MAX_SEQLEN
+    attention.ONE_KERNEL_BACKWARD_MAX_SEQLEN = seqlen
+    try:
+        qkv = torch.randn(batch, seqlen, 3 * num_heads * head_dim, dtype=dtype, device=device)
+        grad = torch.randn(batch, seqlen, num_heads * head_dim, dtype=dtype, device=device)
+        seed = torch.zeros(1, dtype=torch.int64, device=device)
+        lengths = torch.full((batch,), float(seqlen), device=device)
+        for valid_lens, p in ((lengths, 0.1), (None, 0.0)):
+            out, lse = attention._attention_fwd_triton(qkv, valid_lens, num_heads, p, seed)
+            attention._attention_bwd_triton(grad, qkv, out, lse, valid_lens, num_heads, p, seed)
+        cu_seqlens = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=device)
+        packed, packed_grad = qkv.flatten(0, 1), grad.flatten(0, 1)
+        out, lse = attention._varlen_attention_fwd_triton(packed, cu_seqlens, num_heads, seqlen, 0.1, seed)
+        attention._varlen_attention_bwd_triton(packed_grad, packed, out, lse, cu_seqlens, num_heads, seqlen, 0.1, seed)
+    finally:
+        attention.ONE_KERNEL_BACKWARD_MAX_SEQLEN = saved
 
 
 def stage_graph_inputs(tokens, segments, valid_lens_forms):

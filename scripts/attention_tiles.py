@@ -22,6 +22,8 @@ take 128-210 (2-4 resident where under ~130 at 8 warps or ~170 at 4). On an H200
 dK/dV (16, 64, 4, 2) and dQ (64, 64, 4, 2) were the fastest at both shapes; on an H100
 (2026-11-27) dK/dV on 3 stages beat them in all four cases (with and without dropout), the tiles
 since. With dropout dQ (64, 32, 4, 2) was 5-11 µs faster, without it 3-11 µs slower: not taken.
+At shapes of at most 128 keys a third table times the backward in one launch (the dK/dV kernel
+also making dQ, attention.ONE_KERNEL_BACKWARD_MAX_SEQLEN) on candidate tiles against the two.
 First the dK/dV kernel's candidates with the dQ kernel's tiles as they are, then the dQ
 kernel's; TFLOP/s on the backward's 2.5x the forward's work. The candidates compile for sm_90
 without spills (kernel_resources, triton 3.9).
@@ -44,6 +46,10 @@ CANDIDATES = ["128,64,8,3", "128,128,8,2", "128,64,4,3", "64,64,4,3", "64,128,4,
 # program; dQ: BLOCK_M queries a program, BLOCK_N keys a step.
 DKDV_CANDIDATES = ["16,64,4,3", "32,128,8,2", "16,32,4,2", "32,64,4,2", "16,64,4,2", "16,128,4,2", "16,64,2,2"]
 DQ_CANDIDATES = ["64,64,4,2", "128,32,8,2", "64,64,4,3", "64,32,4,2", "32,64,4,2", "64,128,4,2", "128,64,8,2"]
+# The backward in one launch (attention.ONE_KERNEL_BACKWARD_MAX_SEQLEN, off by default), for
+# shapes of at most 128 keys: BLOCK_N holds them all. ptxas (sm_90, bf16, d 64, 8 warps) gives
+# (16, 128) 154-185 registers a thread, (32, 128) 170-255: one program an SM either way.
+ONE_KERNEL_CANDIDATES = ["16,128,8,2", "32,128,8,2", "16,128,4,2", "16,128,8,3", "32,128,8,1"]
 
 
 def parse_tiles(text):
@@ -92,6 +98,22 @@ def print_row(text, tiles, call, expected, tflop):
     print(f"| {text} | {ms * 1e3:.1f} | {tflop / (ms / 1e3):.0f} | {diff:.2g} |")
 
 
+def print_one_kernel_row(text, tiles, call, expected, tflop):
+    """One table row: ``call`` with the one-kernel backward on these tiles (then off again)."""
+    saved = attention.ONE_KERNEL_BACKWARD_MAX_SEQLEN, attention._one_kernel_tiles
+    attention.ONE_KERNEL_BACKWARD_MAX_SEQLEN = 128
+    attention._one_kernel_tiles = lambda *args, **kwargs: tiles
+    try:
+        diff = (call().float() - expected.float()).abs().max().item()
+        ms = statistics.median(_graph_ms(call, 20, 10))
+    except Exception as error:
+        print(f"| one kernel {text} | failed: {type(error).__name__}: {str(error)[:120]} | | |")
+        return
+    finally:
+        attention.ONE_KERNEL_BACKWARD_MAX_SEQLEN, attention._one_kernel_tiles = saved
+    print(f"| one kernel {text} | {ms * 1e3:.1f} | {tflop / (ms / 1e3):.0f} | {diff:.2g} |")
+
+
 def backward_case(shape, device, dropout_p=0.0):
     """The padded backward of the shape (key mask): a closure and its TFLOP."""
     tokens, _, valid_lens = make_inputs(shape.batch, shape.seq, shape.min_len_frac, 30522, 0, device)
@@ -121,6 +143,13 @@ def time_backward(options, device):
                     tiles = list(current)
                     tiles[index] = parse_tiles(text)
                     print_row(text, tuple(tiles), backward, expected, tflop)
+            if shape.seq <= 128:
+                print(f"\n## {shape_name} B{shape.batch} L{shape.seq}, padded, key mask: one kernel (dQ in the "
+                      "dK/dV kernel) against the two\n"
+                      "| tiles | µs / call | TFLOP/s | max diff vs current |\n|---|---|---|---|")
+                print_row("two kernels (current)", current, backward, expected, tflop)
+                for text in ONE_KERNEL_CANDIDATES:
+                    print_one_kernel_row(text, parse_tiles(text), backward, expected, tflop)
 
 
 def main():

@@ -112,7 +112,8 @@ for step in "$@"; do
         # that run (launch shape; the bias gradient's reduction). 960 passed, 3 failed on an H200
         # (2026-11-26, 126 s with 8 workers): two bitwise comparisons of an inference variant
         # (relaxed since to ptxas's FMA contraction) and the joint column sums' (specialisation:
-        # fixed since). The attention dropout tests since the masks take four keys a Philox call.
+        # fixed since). The attention dropout tests since the masks take four keys a Philox call;
+        # the one-kernel attention backward's (off by default, 2026-11-27) on the GPU's tiles.
         parallel=()
         python -c "import xdist" 2>/dev/null && parallel=(-n "${GPU_TEST_WORKERS:-8}")
         run tests-gpu python -m pytest -q -rfE -p no:cacheprovider "${parallel[@]}" --durations=15 \
@@ -124,6 +125,8 @@ for step in "$@"; do
             tests/test_attention_triton.py::test_dropout_forward_and_backward_use_one_mask \
             tests/test_attention_triton.py::test_varlen_dropout_matches_padded_dropout \
             tests/test_attention_triton.py::test_forward_without_lse_gives_the_same_output \
+            tests/test_attention_triton.py::test_one_kernel_backward_matches_the_two_kernels \
+            tests/test_attention_triton.py::test_gpu_one_kernel_backward_at_bert_length \
             tests/test_add_layernorm_triton.py tests/test_bias_act_triton.py \
             tests/test_column_sums.py tests/test_encoder_layer.py::test_fused_layer_matches_the_torch_backend \
             tests/test_encoder_layer.py::test_cuda_backend_add_norm_backwards \

@@ -5,6 +5,7 @@ projection, and the torch path (``backend="torch"``) at the kernel's precision f
 baseline of the STYLE.md rule.
 """
 
+import importlib
 import math
 
 import pytest
@@ -320,6 +321,88 @@ def test_varlen_dropout_matches_padded_dropout():
     assert_close(out_v, ops.unpad(out, unpadding), atol=1e-6, what="varlen dropout context")
 
 
+ATTENTION = importlib.import_module("bert_fast.ops.attention")
+
+# (batch, seqlen, heads, head dim, valid_lens, dropout, varlen): the one-kernel backward against
+# the two kernels on the same forward. L 20 and 37 take query blocks past the sequence's end
+# (BLOCK_M 16 in the interpreter); d 80 and 192 mask their loads past d.
+ONE_KERNEL_CASES = {
+    "plain": (2, 20, 2, 16, None, 0.0, False),
+    "1d-fractional": (2, 20, 2, 16, [2.5, 19.01], 0.0, False),
+    "2d": (3, 5, 2, 96, [[1, 0, 5, 2, 9], [3, 3, 3, 3, 3], [-1, 2, 2, 2, 4]], 0.0, False),
+    "zero-lengths-dropout": (2, 19, 2, 16, [0.0, 11.5], 0.3, False),
+    "d80-dropout": (1, 37, 1, 80, [30.0], 0.25, False),
+    "d192": (1, 9, 1, 192, None, 0.0, False),
+    "varlen-dropout": (3, 17, 2, 16, [9.0, 17.0, 0.0], 0.25, True),
+}
+
+
+def launched_kernels(monkeypatch):
+    """The names of the kernels the attention launchers launch from now on."""
+    names = []
+    real = ATTENTION.launch
+
+    def spy(kernel, like):
+        names.append(getattr(kernel, "__name__", None) or kernel.fn.__name__)
+        return real(kernel, like)
+    monkeypatch.setattr(ATTENTION, "launch", spy)
+    return names
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", list(ONE_KERNEL_CASES))
+def test_one_kernel_backward_matches_the_two_kernels(case, dtype, monkeypatch):
+    """ONE_KERNEL_BACKWARD_MAX_SEQLEN: the dK/dV kernel also makes dQ (and delta) where every key
+    fits one program. dQ's products are summed in another order (dS^T's columns, not dS's rows),
+    so the two agree to rounding, which the tolerance allows: fp32 1e-5, fp16 a few units of its
+    last place on gradients of order 1."""
+    batch, seqlen, heads, head_dim, valid_lens, p, varlen = ONE_KERNEL_CASES[case]
+    valid_lens = None if valid_lens is None else torch.tensor(valid_lens, device=DEVICE)
+    seed = seed_tensor(11) if p > 0.0 else None
+    qkv = random_qkv(batch, seqlen, heads, head_dim, dtype)
+    grad_out = torch.randn(batch, seqlen, heads * head_dim, device=DEVICE).to(dtype)
+    if varlen:
+        unpadding = ops.unpadding_for(valid_lens, seqlen)
+        qkv, grad_out = ops.unpad(qkv, unpadding), ops.unpad(grad_out, unpadding)
+        args = (unpadding.cu_seqlens, heads, seqlen, p, seed)
+        out, lse = _varlen_attention_fwd_triton(qkv, *args)
+        backward = lambda: _varlen_attention_bwd_triton(grad_out, qkv, out, lse, *args)
+    else:
+        out, lse = _attention_fwd_triton(qkv, valid_lens, heads, p, seed)
+        backward = lambda: _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, heads, p, seed)
+    launched = launched_kernels(monkeypatch)
+    two = backward()
+    assert launched == ["_attention_bwd_dq_kernel", "_attention_bwd_dkdv_kernel"], launched
+    monkeypatch.setattr(ATTENTION, "ONE_KERNEL_BACKWARD_MAX_SEQLEN", 128)
+    launched.clear()
+    one = backward()
+    assert launched == ["_attention_bwd_dkdv_kernel"], launched
+    tolerance = 1e-5 if dtype == torch.float32 else 4e-3
+    assert_close(one.float(), two.float(), atol=tolerance, rtol=tolerance, what=f"{case} dqkv, one kernel vs two")
+    # In the interpreter both take 16 queries a step, so dK and dV are the same sums in the same
+    # order: bit for bit. On a GPU the tiles differ (the sums' order with them): the tolerance.
+    if not qkv.is_cuda:
+        third = qkv.shape[-1] // 3
+        assert torch.equal(one[..., third:], two[..., third:]), "dK/dV changed with the one-kernel backward"
+
+
+@needs_kernels
+def test_one_kernel_backward_leaves_longer_sequences_to_the_two_kernels(monkeypatch):
+    monkeypatch.setattr(ATTENTION, "ONE_KERNEL_BACKWARD_MAX_SEQLEN", 16)
+    launched = launched_kernels(monkeypatch)
+    for seqlen, expected in ((16, ["_attention_bwd_dkdv_kernel"]),
+                             (17, ["_attention_bwd_dq_kernel", "_attention_bwd_dkdv_kernel"])):
+        qkv = random_qkv(1, seqlen, 1, 16)
+        grad_out = torch.randn(1, seqlen, 16, device=DEVICE)
+        out, lse = _attention_fwd_triton(qkv, None, 1, 0.0, None)
+        out64, _, dqkv64 = reference_with_grad(qkv, grad_out, 1)
+        launched.clear()
+        dqkv = _attention_bwd_triton(grad_out, qkv, out, lse, None, 1, 0.0, None)
+        assert launched == expected, (seqlen, launched)
+        assert_close(dqkv, dqkv64, atol=1e-5, what=f"L {seqlen} dqkv")
+
+
 def test_cpu_twin_dropout_uses_its_seeded_mask_in_forward_and_backward():
     p, seed = 0.4, seed_tensor(99, "cpu")
     qkv = torch.randn(2, 6, 12, dtype=torch.float64, requires_grad=True)
@@ -562,3 +645,32 @@ def test_gpu_dropout_keep_rate_and_compile():
     compiled = torch.compile(lambda x: ops.packed_self_attention(x, 4, valid_lens, backend="triton"), fullgraph=True)
     assert_close(compiled(qkv), ops.packed_self_attention(qkv, 4, valid_lens, backend="triton"), atol=0.0,
                  what="compiled context")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+@pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
+def test_gpu_one_kernel_backward_at_bert_length(varlen, dropout_p, monkeypatch):
+    """The one-kernel backward on the GPU's own tiles (128 keys a program, BERT-base heads, bf16)
+    against the two kernels: dQ to bf16 rounding (its sums run in another order), dK and dV
+    likewise (another query step)."""
+    batch, seqlen, heads = 4, 128, 12
+    valid_lens = torch.tensor([128, 100, 37, 1], device="cuda")
+    seed = seed_tensor(5, "cuda") if dropout_p else None
+    qkv = random_qkv(batch, seqlen, heads, 64, dtype=torch.bfloat16, device="cuda")
+    grad_out = torch.randn(batch, seqlen, heads * 64, device="cuda").to(torch.bfloat16)
+    if varlen:
+        unpadding = ops.unpadding_for(valid_lens, seqlen)
+        qkv, grad_out = ops.unpad(qkv, unpadding), ops.unpad(grad_out, unpadding)
+        args = (unpadding.cu_seqlens, heads, seqlen, dropout_p, seed)
+        out, lse = _varlen_attention_fwd_triton(qkv, *args)
+        backward = lambda: _varlen_attention_bwd_triton(grad_out, qkv, out, lse, *args)
+    else:
+        out, lse = _attention_fwd_triton(qkv, valid_lens, heads, dropout_p, seed)
+        backward = lambda: _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, heads, dropout_p, seed)
+    two = backward()
+    monkeypatch.setattr(ATTENTION, "ONE_KERNEL_BACKWARD_MAX_SEQLEN", 128)
+    launched = launched_kernels(monkeypatch)
+    one = backward()
+    assert launched == ["_attention_bwd_dkdv_kernel"], launched
+    assert_close(one.float(), two.float(), atol=2e-2, rtol=1e-2, what="dqkv, one kernel vs two")

@@ -40,6 +40,11 @@ Cost model, per (batch, head) with sequence length L and head dim d (e = bytes p
             (recompute K Q^T, dV += P^T dO, dP^T = V dO^T, dK += dS^T Q): 14 L^2 d FLOPs, 1.4x
             the 10 L^2 d of a fused single-kernel backward, paid to stay deterministic without
             atomics. HBM: ~(3 + 2 + 3) L d e bytes (qkv, O and dO, dqkv) + stats.
+            For L <= 128 the dK/dV kernel can make dQ too (ONE_KERNEL_BACKWARD_MAX_SEQLEN,
+            off by default until timed on a GPU): one program holds every key, so dQ of a query
+            block (dS^T's columns times K) is complete there, still without atomics: 10 L^2 d
+            FLOPs, one launch, the dropout mask drawn once; but B * heads programs, not
+            L / BLOCK_N times as many.
 Arithmetic intensity ~L / e FLOP per byte: near the ridge of an A100 / H100 (~150-300 FLOP/B in
 fp16) at BERT's L = 128-512, so the target is HBM bandwidth at L = 128 and a large fraction of
 the tensor-core peak at L >= 512 (not measured yet: needs a GPU).
@@ -56,8 +61,8 @@ from ..reference import MASK_VALUE
 from ._autograd import (deferred_ops, forbid_double_backward, once_differentiable, records_grad, thin_apply,
                         use_registered_op)
 from ._philox import check_seed, dropout_seed, philox_uniform, philox_words
-from ._triton import (as_dtype, cdiv, compute_dtype, cpu_kernel, interpreting, launch, require_triton, tl,
-                      triton, uses_triton, values_on_host)
+from ._triton import (as_dtype, cdiv, compute_dtype, cpu_kernel, interpreting, launch, next_power_of_2,
+                      require_triton, tl, triton, uses_triton, values_on_host)
 from .padding import pad, unpad
 
 
@@ -298,21 +303,28 @@ def _attention_fwd_kernel(
 
 @triton.jit
 def _attention_bwd_dkdv_kernel(
-        qkv, dout, lse, delta, dqkv, visible_counts, cu_seqlens,
+        qkv, out, dout, lse, delta, dqkv, visible_counts, cu_seqlens,
         stride_qkv_b, stride_qkv_l, stride_qkv_f,
+        stride_out_b, stride_out_l, stride_out_f,
         stride_dout_b, stride_dout_l, stride_dout_f,
         stride_dqkv_b, stride_dqkv_l, stride_dqkv_f,
         stride_lse_b, stride_lse_h, stride_lse_l,
         stride_counts_b, stride_counts_l,
         num_heads, head_dim, max_seqlen, sm_scale, dropout_p, seed_ptr,
         HAS_VALID_LENS: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, WITH_DQ: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One program: dK, dV of BLOCK_N keys of one (batch, head), looping over all queries.
 
     Works on transposed (key, query) tiles so dK and dV accumulate without transposes. Query
     rows past the sequence's end load zero Q and dO (and zero delta), so they add nothing
     whatever weight the zero LSE gives them. Delta and LSE share one layout (strides).
+
+    WITH_DQ (the whole backward in one launch, for sequences of at most BLOCK_N keys: one
+    program a (batch, head) holds every key): each query block's dQ is then complete in the
+    program (dS^T's columns times K) and stored as it goes, and delta = rowsum(dO * O) is made
+    from O here (``delta`` unused), where the two-kernel backward recomputes S, P and the
+    dropout mask in the dQ kernel and passes delta through memory.
     """
     sm_scale, dropout_p = tl.cast(sm_scale, tl.float32), tl.cast(dropout_p, tl.float32)
     start_n = tl.program_id(0) * BLOCK_N
@@ -324,6 +336,7 @@ def _attention_bwd_dkdv_kernel(
         return
     hidden = num_heads * head_dim
     qkv += b.to(tl.int64) * stride_qkv_b + first * stride_qkv_l + h * head_dim * stride_qkv_f
+    out += b.to(tl.int64) * stride_out_b + first * stride_out_l + h * head_dim * stride_out_f
     dout += b.to(tl.int64) * stride_dout_b + first * stride_dout_l + h * head_dim * stride_dout_f
     dqkv += b.to(tl.int64) * stride_dqkv_b + first * stride_dqkv_l + h * head_dim * stride_dqkv_f
     stats_offset = b.to(tl.int64) * stride_lse_b + h * stride_lse_h + first * stride_lse_l
@@ -351,7 +364,12 @@ def _attention_bwd_dkdv_kernel(
         do = tl.load(dout + queries[:, None] * stride_dout_l + offs_d[None, :] * stride_dout_f,
                      mask=q_mask, other=0.0)
         lse_hi, lse_lo = _split_lse(tl.load(lse + queries * stride_lse_l, mask=query_ok, other=0.0))
-        delta_rows = tl.load(delta + queries * stride_lse_l, mask=query_ok, other=0.0)
+        if WITH_DQ:
+            o = tl.load(out + queries[:, None] * stride_out_l + offs_d[None, :] * stride_out_f,
+                        mask=q_mask, other=0.0)
+            delta_rows = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        else:
+            delta_rows = tl.load(delta + queries * stride_lse_l, mask=query_ok, other=0.0)
 
         s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
         if HAS_VALID_LENS:
@@ -374,6 +392,10 @@ def _attention_bwd_dkdv_kernel(
             # Replaced scores are constants: no gradient reaches Q or K through them.
             ds_t = tl.where(visible_t, ds_t, 0.0)
         dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+        if WITH_DQ:
+            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PRECISION) * sm_scale
+            tl.store(dqkv + queries[:, None] * stride_dqkv_l + offs_d[None, :] * stride_dqkv_f,
+                     dq.to(dqkv.dtype.element_ty), mask=q_mask)
 
     dk *= sm_scale
     d_offsets = keys[:, None] * stride_dqkv_l + offs_d[None, :] * stride_dqkv_f
@@ -644,28 +666,55 @@ def _launch_fwd(qkv, out, lse, counts, cu_seqlens, batch, num_heads, head_dim, m
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
+# The backward in one launch (the dK/dV kernel WITH_DQ) for sequences of at most this many keys;
+# 0: always the two kernels. Off until a GPU times it against them (scripts/attention_tiles.py
+# --backward compares both); the interpreter's tests run it at every shape they cover.
+ONE_KERNEL_BACKWARD_MAX_SEQLEN = 0
+
+
+def _one_kernel_tiles(max_seqlen, block_d, element_size, interpreter=None):
+    """Tiles of the one-kernel backward at ``max_seqlen``, or None where it does not apply:
+    longer sequences, or every key's dK and dV accumulators (BLOCK_N x BLOCK_D fp32 each) over
+    128 x 64 (the registers of a program). BLOCK_N holds every key; queries go BLOCK_M a step."""
+    if max_seqlen > ONE_KERNEL_BACKWARD_MAX_SEQLEN:
+        return None
+    block_n = max(16, next_power_of_2(max_seqlen))
+    if block_n * block_d > 128 * 64:
+        return None
+    if interpreting() if interpreter is None else interpreter:
+        return _Tiles(16, block_n, 1, 1)
+    # Chosen without a GPU, to fit the registers: 8 warps hold the 128-key accumulators at
+    # 64 fp32 values a thread; fp32 inputs (FMA products) take half the query rows.
+    return _Tiles(16, block_n, 8 if block_n * block_d > 64 * 64 else 4, 2)
+
+
 def _launch_bwd(grad_out, qkv, out, lse, dqkv, counts, cu_seqlens, batch, num_heads, head_dim,
                 max_seqlen, dropout_p, seed):
     block_d, _, dkdv_tiles, dq_tiles, precision = _launch_config(qkv, head_dim, batch, num_heads)
     if max_seqlen == 0 or batch == 0:
         return
     lse = lse.contiguous()    # delta takes its layout, and the kernels read both with lse's strides
-    delta = torch.empty_like(lse, dtype=torch.float32)
     counts_strides = counts.stride() if counts is not None else (0, 0)
     scalars = (num_heads, head_dim, max_seqlen, 1.0 / math.sqrt(head_dim), dropout_p, seed)
     flags = dict(HAS_VALID_LENS=counts is not None, IS_VARLEN=cu_seqlens is not None,
                  HAS_DROPOUT=dropout_p > 0.0, DOT_PRECISION=precision, BLOCK_D=block_d)
-    # dQ first: it writes delta, which the dK/dV kernel reads.
-    launch(_attention_bwd_dq_kernel, dqkv)[(cdiv(max_seqlen, dq_tiles.block_m), batch * num_heads)](
+    one_kernel = (_one_kernel_tiles(max_seqlen, block_d, qkv.element_size())
+                  if ONE_KERNEL_BACKWARD_MAX_SEQLEN else None)
+    if one_kernel is None:
+        delta = torch.empty_like(lse, dtype=torch.float32)
+        # dQ first: it writes delta, which the dK/dV kernel reads.
+        launch(_attention_bwd_dq_kernel, dqkv)[(cdiv(max_seqlen, dq_tiles.block_m), batch * num_heads)](
+            qkv, out, grad_out, lse, delta, dqkv, counts, cu_seqlens,
+            *_strides(qkv), *_strides(out), *_strides(grad_out), *_strides(dqkv), *_strides(lse), *counts_strides,
+            *scalars, **flags, BLOCK_M=dq_tiles.block_m, BLOCK_N=dq_tiles.block_n,
+            num_warps=dq_tiles.num_warps, num_stages=dq_tiles.num_stages)
+    else:
+        delta, dkdv_tiles = lse, one_kernel       # (delta: unread, any pointer of lse's layout)
+    launch(_attention_bwd_dkdv_kernel, dqkv)[(cdiv(max_seqlen, dkdv_tiles.block_n), batch * num_heads)](
         qkv, out, grad_out, lse, delta, dqkv, counts, cu_seqlens,
         *_strides(qkv), *_strides(out), *_strides(grad_out), *_strides(dqkv), *_strides(lse), *counts_strides,
-        *scalars, **flags, BLOCK_M=dq_tiles.block_m, BLOCK_N=dq_tiles.block_n,
-        num_warps=dq_tiles.num_warps, num_stages=dq_tiles.num_stages)
-    launch(_attention_bwd_dkdv_kernel, dqkv)[(cdiv(max_seqlen, dkdv_tiles.block_n), batch * num_heads)](
-        qkv, grad_out, lse, delta, dqkv, counts, cu_seqlens,
-        *_strides(qkv), *_strides(grad_out), *_strides(dqkv), *_strides(lse), *counts_strides,
-        *scalars, **flags, BLOCK_M=dkdv_tiles.block_m, BLOCK_N=dkdv_tiles.block_n,
-        num_warps=dkdv_tiles.num_warps, num_stages=dkdv_tiles.num_stages)
+        *scalars, **flags, WITH_DQ=one_kernel is not None, BLOCK_M=dkdv_tiles.block_m,
+        BLOCK_N=dkdv_tiles.block_n, num_warps=dkdv_tiles.num_warps, num_stages=dkdv_tiles.num_stages)
 
 
 def _attention_fwd_triton(qkv, valid_lens, num_heads, dropout_p, seed, counts=None, lse=True):
