@@ -16,9 +16,10 @@
 // through shared memory. Every thread holds at most 32 elements (the backward's dropout mask is
 // one 32-bit word per thread).
 //
-// Dropout: element (r, c) has Philox counter r * hidden + c (philox.h). The backward draws the
-// same bits again instead of reading a saved mask: 10 Philox rounds per element cost less than a
-// mask's traffic would. The seed is read on the device, so no host synchronisation.
+// Dropout: element (r, c) takes word c % 4 of the Philox call with counter r * ceil(hidden / 4)
+// + c / 4 (philox.h). The backward draws the same bits again instead of reading a saved mask:
+// 10 Philox rounds per four elements cost less than a mask's traffic would. The seed is read on
+// the device, so no host synchronisation.
 //
 // d_weight / d_bias: the backward grid is one wave (as many blocks as are resident on the GPU
 // at once, from the occupancy of the chosen kernel); each block walks row groups g = block,
@@ -77,23 +78,6 @@ __device__ __forceinline__ void row_sum(float (&values)[N], float* scratch) {
   }
 }
 
-// residual + dropout(x) for one pack; sets bit (bit0 + k) of *keep_bits for each kept element.
-template <int VEC, bool DROPOUT>
-__device__ __forceinline__ void dropped_sum(float (&sum)[VEC], const float (&x)[VEC], const float (&residual)[VEC],
-                                            uint64_t seed, uint64_t first_offset, float dropout_p,
-                                            float keep_scale, uint32_t* keep_bits, int bit0) {
-#pragma unroll
-  for (int k = 0; k < VEC; ++k) {
-    float value = x[k];
-    if constexpr (DROPOUT) {
-      const bool keep = dropout_keep(seed, first_offset + k, dropout_p);
-      value = keep ? value * keep_scale : 0.0f;
-      if (keep_bits != nullptr) *keep_bits |= static_cast<uint32_t>(keep) << (bit0 + k);
-    }
-    sum[k] = residual[k] + value;
-  }
-}
-
 template <typename T, int VEC, int LANES, int ELEMS, bool DROPOUT>
 __global__ void __launch_bounds__(LANES > 0 ? kFwdRowsBlockThreads : kRowBlockMaxThreads)
     add_layernorm_fwd_kernel(T* __restrict__ out, float* __restrict__ mean_out, float* __restrict__ rstd_out,
@@ -128,7 +112,7 @@ __global__ void __launch_bounds__(LANES > 0 ? kFwdRowsBlockThreads : kRowBlockMa
         float xv[VEC], rv[VEC];
         load_floats<T, VEC>(x + row_start + pack * VEC, xv);
         load_floats<T, VEC>(residual + row_start + pack * VEC, rv);
-        dropped_sum<VEC, DROPOUT>(s[i], xv, rv, seed, static_cast<uint64_t>(row_start + pack * VEC), dropout_p,
+        dropped_sum<VEC, DROPOUT>(s[i], xv, rv, seed, row, static_cast<int64_t>(pack) * VEC, hidden, dropout_p,
                                   keep_scale, nullptr, 0);
 #pragma unroll
         for (int k = 0; k < VEC; ++k) total[0] += s[i][k];
@@ -241,8 +225,8 @@ __global__ void __launch_bounds__(LANES > 0 ? kBwdRowsBlockThreads : kRowBlockMa
           for (int k = 0; k < VEC; ++k) w[k] = 1.0f;
         }
         float s[VEC];
-        dropped_sum<VEC, DROPOUT>(s, xv, rv, seed, static_cast<uint64_t>(at), dropout_p, keep_scale,
-                                  &keep_bits, i * VEC);
+        dropped_sum<VEC, DROPOUT>(s, xv, rv, seed, row, static_cast<int64_t>(pack) * VEC, hidden, dropout_p,
+                                  keep_scale, &keep_bits, i * VEC);
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
           x_hat[i][k] = (s[k] - row_mean) * row_rstd;

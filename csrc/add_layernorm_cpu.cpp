@@ -1,7 +1,7 @@
 // C++ CPU kernels of ext_add_layernorm_fwd / ext_add_layernorm_bwd (schemas and semantics:
 // registration.cpp): LayerNorm(residual + dropout(x)) over the last dim H, the drop-in
 // replacements of the PyTorch CPU twins in bert_fast/ops/add_layernorm.py, with the dropout
-// mask of philox.h (offset = row * H + column), so they match the Triton and CUDA kernels.
+// mask of philox.h (four columns a Philox call), so they match the Triton and CUDA kernels.
 //
 // Rows are split across threads. Each row is loaded once into an fp32 (fp64 for fp64 inputs)
 // scratch row, and its statistics are two passes over that row (mean, then the population
@@ -99,12 +99,17 @@ double keep_scale(double dropout_p) {
 }
 
 // keep[col] = the factor element (row, col) of x is multiplied by: the keep scale where philox.h
-// keeps it, 0 where it drops it. A loop of its own, so the compiler vectorises the Philox rounds.
+// keeps it, 0 where it drops it. One Philox call a group of four columns (the last group's
+// columns past the row's end drawn and left out). A loop of its own, so the compiler
+// vectorises the Philox rounds.
 template <typename acc_t>
-void dropout_factors(uint64_t seed, uint64_t first_offset, float dropout_p, acc_t scale, acc_t* __restrict__ keep,
+void dropout_factors(uint64_t seed, int64_t row, float dropout_p, acc_t scale, acc_t* __restrict__ keep,
                      int64_t hidden) {
-  for (int64_t col = 0; col < hidden; ++col)
-    keep[col] = dropout_keep(seed, first_offset + static_cast<uint64_t>(col), dropout_p) ? scale : acc_t(0);
+  for (int64_t col = 0; col < hidden; col += 4) {
+    bool group[4];
+    dropout_keep4(seed, row, col, hidden, dropout_p, group);
+    for (int64_t k = 0; k < 4 && col + k < hidden; ++k) keep[col + k] = group[k] ? scale : acc_t(0);
+  }
 }
 
 // One row of residual + dropout(x) in the accumulation type; with dropout, keep receives the
@@ -118,7 +123,7 @@ void load_dropped_sum(const scalar_t* __restrict__ x_row, const scalar_t* __rest
       sum[col] = static_cast<acc_t>(residual_row[col]) + static_cast<acc_t>(x_row[col]);
     return;
   }
-  dropout_factors(seed, static_cast<uint64_t>(row) * static_cast<uint64_t>(hidden), dropout_p, scale, keep, hidden);
+  dropout_factors(seed, row, dropout_p, scale, keep, hidden);
   // A select, not x * 0, so a dropped inf or nan in x leaves no nan (like the Triton kernel).
   for (int64_t col = 0; col < hidden; ++col) {
     const acc_t scaled_x = static_cast<acc_t>(x_row[col]) * scale;

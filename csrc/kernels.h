@@ -51,7 +51,7 @@ int launch_embedding_sum_bwd(DType dtype, const void* grad, const int64_t* token
 // out = LayerNorm(residual + dropout(x)) row by row, with mean and rstd (fp32, one per row).
 // weight and bias may be null (no scale / no shift). Dropout runs when dropout_p > 0: the seed
 // is read on the device from `seed` (one int64), element (r, c) is kept iff
-// philox.h's dropout_keep(seed, r * hidden + c, dropout_p), kept values are scaled by
+// philox.h's dropout_keep(seed, r, c, hidden, dropout_p), kept values are scaled by
 // 1 / (1 - dropout_p) (computed in double, rounded to fp32; p is compared in fp32, as the
 // Triton kernels get them). hidden must be in [1, kAddLayerNormMaxHidden].
 int launch_add_layernorm_fwd(DType dtype, void* out, float* mean, float* rstd, const void* x,

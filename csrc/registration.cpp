@@ -14,7 +14,7 @@
 //   ext_add_layernorm_fwd  LayerNorm(residual + dropout(x)) over the last dim
 //       -> (out like x, mean (rows,), rstd (rows,)); statistics fp32 (fp64 for fp64 inputs).
 //       seed: int64 tensor of one element on x's device, read only when dropout_p > 0
-//       (mask: philox.h, offset = row * H + column).
+//       (mask: philox.h, four columns a Philox call).
 //   ext_add_layernorm_bwd  -> (d_residual like x, d_x like x or empty when dropout_p == 0
 //       (it equals d_residual), d_weight (H,) or empty when weight is None, d_bias (H,) or
 //       empty unless has_bias).

@@ -165,3 +165,73 @@ def test_column_sums_kernel_adds_in_its_order_and_rounds_once(harness, tmp_path,
     reference = partials.double().sum(1)
     tolerance = {torch.float32: 1e-5, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[dtype]
     assert ((out.double() - reference).abs() <= 1e-4 + tolerance * reference.abs()).all()
+
+
+# philox.h's dropped_sum: the CUDA add_layernorm kernels' dropout of one pack (16-byte packs of
+# 4 or 8 columns, or single elements), plain C++ that the host compiler runs here. Its kept bits
+# must be the Python twin's mask (bert_fast.ops._philox.row_keep), for every pack width.
+PHILOX_HARNESS = r"""
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+
+#include "philox.h"
+
+using namespace bert_fast;
+
+// Writes rows x hidden bytes, 1 where dropped_sum<VEC> kept the element.
+template <int VEC>
+void run(uint64_t seed, int64_t rows, int64_t hidden, float dropout_p) {
+  for (int64_t row = 0; row < rows; ++row) {
+    for (int64_t col = 0; col < hidden; col += VEC) {
+      float sum[VEC], x[VEC], residual[VEC];
+      for (int k = 0; k < VEC; ++k) x[k] = 1.0f, residual[k] = 0.0f;
+      uint32_t bits = 0;
+      dropped_sum<VEC, true>(sum, x, residual, seed, row, col, hidden, dropout_p, 2.0f, &bits, 0);
+      for (int k = 0; k < VEC; ++k) {
+        const bool kept = (bits >> k) & 1u;
+        if (kept != (sum[k] == 2.0f)) std::exit(3);       // the bit and the value agree
+        std::putchar(kept ? 1 : 0);
+      }
+    }
+  }
+}
+
+// argv: seed, rows, hidden, dropout_p, VEC (1, 4 or 8; hidden a multiple of it).
+int main(int argc, char** argv) {
+  if (argc != 6) return 1;
+  const uint64_t seed = std::strtoull(argv[1], nullptr, 10);
+  const int64_t rows = std::atoll(argv[2]), hidden = std::atoll(argv[3]);
+  const float dropout_p = std::strtof(argv[4], nullptr);
+  switch (std::atoi(argv[5])) {
+    case 1: run<1>(seed, rows, hidden, dropout_p); return 0;
+    case 4: run<4>(seed, rows, hidden, dropout_p); return 0;
+    case 8: run<8>(seed, rows, hidden, dropout_p); return 0;
+    default: return 1;
+  }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def philox_harness(tmp_path_factory):
+    build = tmp_path_factory.mktemp("csrc_philox")
+    (build / "philox.cpp").write_text(PHILOX_HARNESS)
+    binary = build / "philox"
+    result = subprocess.run([CXX, "-std=c++20", "-O1", "-Wall", "-I", str(CSRC), str(build / "philox.cpp"),
+                             "-o", str(binary)], capture_output=True, text=True)
+    assert result.returncode == 0, f"the harness did not compile:\n{result.stderr[-4000:]}"
+    return binary
+
+
+@pytest.mark.parametrize("seed", [1234, 2**40 + 7], ids=["seed_lo", "seed_hi"])
+@pytest.mark.parametrize("hidden, vec", [(96, 8), (96, 4), (96, 1), (94, 1), (6, 1)])
+def test_cuda_dropout_packs_draw_the_twins_mask(philox_harness, seed, hidden, vec):
+    from bert_fast.ops._philox import row_keep
+    rows, dropout_p = 5, 0.3
+    result = subprocess.run([str(philox_harness), str(seed), str(rows), str(hidden), str(dropout_p), str(vec)],
+                            capture_output=True, timeout=60)
+    assert result.returncode == 0, f"exit {result.returncode} (3: a kept bit and its value disagree)"
+    kept = torch.tensor(list(result.stdout), dtype=torch.bool).view(rows, hidden)
+    expected = row_keep(torch.tensor([seed]), dropout_p, rows, hidden, "cpu")
+    assert torch.equal(kept, expected), f"{(kept != expected).sum().item()} of {kept.numel()} mask bits differ"

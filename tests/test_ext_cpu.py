@@ -355,36 +355,44 @@ def test_add_layernorm_empty_input(ops):
     assert torch.equal(d_weight, torch.zeros(96)) and torch.equal(d_bias, torch.zeros(96))
 
 
-# Dropout: the mask is philox.h's, the one tl.rand draws.
+# Dropout: the mask is philox.h's, the words tl.randint4x draws: element (r, c) takes word c % 4
+# of the call with counter r * ceil(H / 4) + c // 4. Written here element by element (each
+# element's own call, its word picked by c % 4), not as the op kernels interleave them.
 
 @triton.jit
-def _tl_rand_keep_kernel(keep_ptr, seed, n, dropout_p, BLOCK: tl.constexpr):
+def _tl_randint4x_keep_kernel(keep_ptr, seed, n, hidden, dropout_p, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    keep = tl.rand(seed, offsets.to(tl.int64)) >= dropout_p
+    rows, cols = offsets // hidden, offsets % hidden
+    counter = rows.to(tl.int64) * ((hidden + 3) // 4) + cols // 4
+    w0, w1, w2, w3 = tl.randint4x(seed, counter)
+    word = tl.where(cols % 4 == 0, w0, tl.where(cols % 4 == 1, w1, tl.where(cols % 4 == 2, w2, w3)))
+    keep = tl.uint_to_uniform_float(word) >= dropout_p
     tl.store(keep_ptr + offsets, keep.to(tl.int8), mask=offsets < n)
 
 
-def tl_rand_keep(seed, shape, dropout_p):
+def tl_randint4x_keep(seed, shape, dropout_p):
     n = torch.Size(shape).numel()
     keep = torch.empty(n, dtype=torch.int8, device=DEVICE)
-    _tl_rand_keep_kernel[(triton.cdiv(n, 1024),)](keep, seed, n, dropout_p, BLOCK=1024)
+    _tl_randint4x_keep_kernel[(triton.cdiv(n, 1024),)](keep, seed, n, shape[-1], dropout_p, BLOCK=1024)
     return keep.cpu().bool().view(shape)
 
 
 @needs_kernels
+@pytest.mark.parametrize("hidden", [96, 94], ids=["H96", "H94"])
 @pytest.mark.parametrize("seed", [1234, 2**40 + 7], ids=["seed_lo", "seed_hi"])
 @pytest.mark.parametrize("dropout_p", [0.1, 0.5])
-def test_dropout_mask_is_tl_rand(ops, seed, dropout_p):
+def test_dropout_mask_is_philox_four_columns_a_call(ops, seed, dropout_p, hidden):
     """d_x is d_residual / (1-p) where x was kept and 0 where it was dropped: the kept set is
-    exactly where tl.rand(seed, row * H + column) >= p, and it is the Python twin's."""
-    shape = (3, 5, 96)
+    exactly philox.h's (four columns a Philox call; H 94 ends its rows inside a group), and it
+    is the Python twin's."""
+    shape = (3, 5, hidden)
     x, residual, weight, bias, grad_out = make_ln_inputs(shape, torch.float32, "both")
     seed_t = seed_tensor(seed, "cpu")
     _, mean, rstd, grads = run_ln(ops, x, residual, weight, bias, grad_out, seed_t, dropout_p)
     d_residual, d_x = grads[:2]
     assert torch.all(d_residual != 0), "a zero d_residual would hide the mask"
     keep = d_x != 0
-    expected = tl_rand_keep(seed, shape, dropout_p)
+    expected = tl_randint4x_keep(seed, shape, dropout_p)
     assert torch.equal(keep, expected), f"{(keep != expected).sum().item()} of {keep.numel()} mask bits differ"
     scale = torch.tensor(1 / (1 - dropout_p), dtype=torch.float32)
     assert torch.equal(d_x[keep], d_residual[keep] * scale), "kept: d_x = d_residual / (1-p)"

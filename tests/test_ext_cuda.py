@@ -383,7 +383,7 @@ def keep_from_forward(out, mean, rstd):
 @pytest.mark.parametrize("hidden", [96, 768, 1000, 4096])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_add_layernorm_dropout_matches_the_cpu_op(ops, dtype, hidden, dropout_p):
-    """Same seed, same mask as the C++ CPU op (philox.h, offset row * H + column), in the
+    """Same seed, same mask as the C++ CPU op (philox.h, four columns a Philox call), in the
     forward and in the backward's d_x; both within the rule of the fp64 math on that mask."""
     rows = 64
     seed = torch.tensor([1234], dtype=torch.int64, device="cuda")

@@ -1,13 +1,17 @@
 """The dropout masks of the fused ops, and the seed they are drawn from.
 
-One definition for every backend (csrc/philox.h states it in C++): an element with 64-bit
-counter ``offset`` is kept iff
+One definition for every backend (csrc/philox.h states it in C++): add_layernorm's element
+(r, c) of rows of H columns is kept iff
 
-    uniform(word 0 of Philox4x32-10, key = seed, counter = (offset_lo, offset_hi, 0, 0)) >= p
+    uniform(word c % 4 of Philox4x32-10, key = seed, counter = (n_lo, n_hi, 0, 0)) >= p,
+    n = r * ceil(H / 4) + c // 4
 
-with ``uniform`` the map of ``triton.language.rand``. The Triton kernels call ``tl.rand`` /
-``tl.philox``; the CPU twins here compute the same bits with int64 tensor arithmetic, so a
-kernel's dropout can be compared with its twin bit for bit, and the C++/CUDA ops with both.
+with ``uniform`` the map of ``triton.language.rand``: one Philox call draws four consecutive
+columns (until 2026-11-27 each element took word 0 of its own call, counter r * H + c; the
+integer work of those calls cost as much time as the op's memory traffic). The Triton kernels
+call ``tl.randint4x`` / ``tl.philox``; the CPU twins here compute the same bits with int64
+tensor arithmetic, so a kernel's dropout can be compared with its twin bit for bit, and the
+C++/CUDA ops with both.
 
 The attention weights' masks (Triton's kernels and their CPU twin; no C++ op drops attention
 weights) take four keys from one Philox call, a quarter of the integer work a weight, the
@@ -48,18 +52,12 @@ def _mul_hi_lo(constant, x):
     return hi, lo
 
 
-def philox_bits(seed, c0, c1):
-    """Word 0 of Philox4x32-10 for counters (c0, c1, 0, 0): uint32 values in an int64 tensor.
+def philox_words(seed, c0, c1):
+    """The four words of Philox4x32-10 for counters (c0, c1, 0, 0): uint32 values in int64
+    tensors, ``tl.philox(seed, c0, c1, 0, 0)`` with 32-bit counters.
 
     ``seed``: one-element int64 tensor; ``c0``, ``c1``: int64 tensors of uint32 values
-    (broadcastable). Matches ``tl.philox(seed, c0, c1, 0, 0)[0]`` with 32-bit counters.
-    """
-    return philox_words(seed, c0, c1)[0]
-
-
-def philox_words(seed, c0, c1):
-    """The four words of Philox4x32-10 for counters (c0, c1, 0, 0), as philox_bits gives the
-    first: ``tl.philox(seed, c0, c1, 0, 0)``."""
+    (broadcastable)."""
     seed = seed.reshape(()).to(torch.int64)
     k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
     c0, c1 = torch.broadcast_tensors(c0, c1)
@@ -80,15 +78,16 @@ def philox_uniform(bits):
     return folded.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32, device=bits.device)
 
 
-def dropout_keep(seed, dropout_p, c0, c1=None):
-    """Boolean keep mask: ``philox_uniform(philox_bits(seed, c0, c1)) >= dropout_p``.
-
-    With ``c1`` None, ``c0`` is a 64-bit counter (int64 tensor) split into its two halves,
-    as ``tl.rand(seed, offset)`` does for an int64 offset.
-    """
-    if c1 is None:
-        c0, c1 = c0 & _MASK32, (c0 >> 32) & _MASK32
-    return philox_uniform(philox_bits(seed, c0, c1)) >= torch.tensor(dropout_p, dtype=torch.float32)
+def row_keep(seed, dropout_p, rows, hidden, device):
+    """add_layernorm's boolean keep mask (rows, hidden): element (r, c) from word c % 4 of the
+    Philox call with 64-bit counter r * ceil(hidden / 4) + c // 4 (split into its halves, as
+    ``tl.randint4x(seed, counter)`` does for an int64 counter)."""
+    groups = (hidden + 3) // 4
+    counters = torch.arange(rows * groups, dtype=torch.int64, device=device).view(rows, groups)
+    words = philox_words(seed, counters & _MASK32, counters >> 32)
+    # (rows, groups, 4): a group's four words side by side are its four columns in order.
+    uniform = philox_uniform(torch.stack(words, -1)).view(rows, groups * 4)[:, :hidden]
+    return uniform >= torch.tensor(dropout_p, dtype=torch.float32)
 
 
 def check_seed(seed, dropout_p, device):

@@ -13,13 +13,13 @@ Cost model (s = bytes per element, rows x H elements; the op is memory-bound):
             ->  4 s (5 s with dropout) bytes/elem, plus (programs x H) fp32 partial sums.
   Recomputing ``residual + dropout(x)`` in the backward costs the same traffic as saving the
   sum in the forward (write once, read once) and keeps no extra activation alive.
-  ~10 FLOPs/elem either way; with dropout, each element also runs one 10-round Philox
-  (``tl.rand``, ~80 integer instructions) in both passes, which costs as much time as the
-  memory traffic: on an H200 (2026-11-26T2258-layernorm-tiles.log) the backward took 27.8 µs
-  at 4096x768 with dropout 0.1 against 13.0 without. Four draws per Philox call (as the
-  attention kernels now take) is the remedy; here it must change csrc/philox.h and the CUDA
-  kernels with the Triton ones, since the extension's forward and Triton's backward share
-  the mask.
+  ~10 FLOPs/elem either way; with dropout, each group of four elements also runs one 10-round
+  Philox (``tl.randint4x``, ~80 integer instructions) in both passes. With one call an element
+  (until 2026-11-27) that cost as much time as the memory traffic: on an H200
+  (2026-11-26T2258-layernorm-tiles.log) the backward took 27.8 µs at 4096x768 with dropout 0.1
+  against 13.0 without, on an H100 the forward 19.6 against 6.1 (2026-11-27T0157). The
+  extension's CUDA kernels (csrc/philox.h) draw the same four-column groups, since its forward
+  and Triton's backward share the mask. Not yet timed on a GPU.
 
 Triton layout: each program normalises ROWS_PER_PROGRAM rows held as one
 (ROWS_PER_PROGRAM, BLOCK_H) tile, BLOCK_H = next power of two >= H with the tail masked.
@@ -42,7 +42,7 @@ from .. import extension
 from ..extension import require_extension
 from ._autograd import (autocasting, below_autograd, deferred_ops, forbid_double_backward, once_differentiable,
                         records_grad, thin_apply, use_registered_op)
-from ._philox import check_seed, dropout_keep, dropout_seed
+from ._philox import check_seed, dropout_seed, row_keep
 from ._triton import (as_dtype, cdiv, compute_dtype, cpu_kernel, KERNEL_DTYPES, launch, next_power_of_2,
                       nothing_to_launch, reduction_programs, require_triton, rows, tl, triton, uses_triton)
 from .column_sums import column_sums
@@ -70,9 +70,26 @@ def _dropped_sum(x_ptr, residual_ptr, rows64, cols, mask, x_row_stride, residual
                 other=0.0).to(tl.float32)
     keep = mask
     if HAS_DROPOUT:
-        keep = tl.rand(tl.load(seed_ptr), rows64 * hidden + cols[None, :]) >= dropout_p
+        keep = _row_keep(seed_ptr, rows64, hidden, dropout_p, ROWS=x.shape[0], BLOCK_H=x.shape[1])
         x = tl.where(keep, x * keep_scale, 0.0)
     return s + x, keep
+
+
+@triton.jit
+def _row_keep(seed_ptr, rows64, hidden, dropout_p, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The keep mask (ROWS, BLOCK_H) of columns 0..BLOCK_H-1 of ``rows64`` ((ROWS, 1) int64):
+    one Philox call a group of four columns (_philox.py's rule), its words interleaved back
+    into column order."""
+    groups = tl.arange(0, BLOCK_H // 4)
+    counter = rows64 * ((hidden + 3) // 4) + groups[None, :]
+    w0, w1, w2, w3 = tl.randint4x(tl.load(seed_ptr), counter)
+    k0 = (tl.uint_to_uniform_float(w0) >= dropout_p).to(tl.int8)
+    k1 = (tl.uint_to_uniform_float(w1) >= dropout_p).to(tl.int8)
+    k2 = (tl.uint_to_uniform_float(w2) >= dropout_p).to(tl.int8)
+    k3 = (tl.uint_to_uniform_float(w3) >= dropout_p).to(tl.int8)
+    # (ROWS, BLOCK_H / 4, 2, 2) holding [k0, k1; k2, k3] per group: row-major, the columns in order.
+    keep = tl.join(tl.join(k0, k2), tl.join(k1, k3))
+    return tl.reshape(keep, (ROWS, BLOCK_H)) != 0
 
 
 @triton.jit
@@ -180,9 +197,10 @@ def _layernorm_blocks(hidden):
     the brief's first idea, a row per warp at H = 768 (4 rows of 1024 on 4 warps, 32 values per
     thread), ptxas (sm_90) gives the backward 255 registers and spills; at 8 values per thread
     it takes ~80 registers and the forward ~50. So at H = 768 a program holds 2 rows on 8 warps,
-    small H up to 16 rows, H >= 2048 one row on 8 to 32 warps.
+    small H up to 16 rows, H >= 2048 one row on 8 to 32 warps. At least 16 columns: the dropout
+    mask draws groups of four (_row_keep).
     """
-    block_h = next_power_of_2(hidden)
+    block_h = max(16, next_power_of_2(hidden))
     rows_per_program = max(1, min(16, 2048 // block_h))
     num_warps = max(4, min(32, block_h * rows_per_program // 256))
     return block_h, rows_per_program, num_warps
@@ -329,9 +347,10 @@ def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, d
 
 def _dropout_keep_scale_cpu(x, seed, dropout_p, dtype):
     """The CPU twins' dropout as a factor (0 or 1/(1-p)) for ``x`` of shape (..., H): the
-    kernels' mask, element (r, c) of the flattened rows drawn with counter r * H + c."""
-    offsets = torch.arange(x.numel(), dtype=torch.int64, device=x.device).view(x.shape)
-    return dropout_keep(seed, dropout_p, offsets).to(dtype) * _keep_scale(dropout_p)
+    kernels' mask over the flattened rows (_philox.row_keep: four columns a Philox call)."""
+    hidden = x.shape[-1]
+    keep = row_keep(seed, dropout_p, x.numel() // hidden if hidden else 0, hidden, x.device)
+    return keep.view(x.shape).to(dtype) * _keep_scale(dropout_p)
 
 
 def _dropped_sum_cpu(x, residual, seed, dropout_p, acc):
