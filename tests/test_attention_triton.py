@@ -337,6 +337,21 @@ ONE_KERNEL_CASES = {
 }
 
 
+def backward_after_forward(batch, seqlen, heads, head_dim, valid_lens, p, seed, varlen, dtype, device):
+    """(qkv, a closure running the Triton backward of the Triton forward on it): padded with
+    ``valid_lens``, or on their packed tokens (varlen)."""
+    qkv = random_qkv(batch, seqlen, heads, head_dim, dtype, device)
+    grad_out = torch.randn(batch, seqlen, heads * head_dim, device=device).to(dtype)
+    if varlen:
+        unpadding = ops.unpadding_for(valid_lens, seqlen)
+        qkv, grad_out = ops.unpad(qkv, unpadding), ops.unpad(grad_out, unpadding)
+        args = (unpadding.cu_seqlens, heads, seqlen, p, seed)
+        out, lse = _varlen_attention_fwd_triton(qkv, *args)
+        return qkv, lambda: _varlen_attention_bwd_triton(grad_out, qkv, out, lse, *args)
+    out, lse = _attention_fwd_triton(qkv, valid_lens, heads, p, seed)
+    return qkv, lambda: _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, heads, p, seed)
+
+
 def launched_kernels(monkeypatch):
     """The names of the kernels the attention launchers launch from now on."""
     names = []
@@ -360,17 +375,7 @@ def test_one_kernel_backward_matches_the_two_kernels(case, dtype, monkeypatch):
     batch, seqlen, heads, head_dim, valid_lens, p, varlen = ONE_KERNEL_CASES[case]
     valid_lens = None if valid_lens is None else torch.tensor(valid_lens, device=DEVICE)
     seed = seed_tensor(11) if p > 0.0 else None
-    qkv = random_qkv(batch, seqlen, heads, head_dim, dtype)
-    grad_out = torch.randn(batch, seqlen, heads * head_dim, device=DEVICE).to(dtype)
-    if varlen:
-        unpadding = ops.unpadding_for(valid_lens, seqlen)
-        qkv, grad_out = ops.unpad(qkv, unpadding), ops.unpad(grad_out, unpadding)
-        args = (unpadding.cu_seqlens, heads, seqlen, p, seed)
-        out, lse = _varlen_attention_fwd_triton(qkv, *args)
-        backward = lambda: _varlen_attention_bwd_triton(grad_out, qkv, out, lse, *args)
-    else:
-        out, lse = _attention_fwd_triton(qkv, valid_lens, heads, p, seed)
-        backward = lambda: _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, heads, p, seed)
+    qkv, backward = backward_after_forward(batch, seqlen, heads, head_dim, valid_lens, p, seed, varlen, dtype, DEVICE)
     launched = launched_kernels(monkeypatch)
     two = backward()
     assert launched == ["_attention_bwd_dq_kernel", "_attention_bwd_dkdv_kernel"], launched
@@ -654,20 +659,9 @@ def test_gpu_one_kernel_backward_at_bert_length(varlen, dropout_p, monkeypatch):
     """The one-kernel backward on the GPU's own tiles (128 keys a program, BERT-base heads, bf16)
     against the two kernels: dQ to bf16 rounding (its sums run in another order), dK and dV
     likewise (another query step)."""
-    batch, seqlen, heads = 4, 128, 12
     valid_lens = torch.tensor([128, 100, 37, 1], device="cuda")
     seed = seed_tensor(5, "cuda") if dropout_p else None
-    qkv = random_qkv(batch, seqlen, heads, 64, dtype=torch.bfloat16, device="cuda")
-    grad_out = torch.randn(batch, seqlen, heads * 64, device="cuda").to(torch.bfloat16)
-    if varlen:
-        unpadding = ops.unpadding_for(valid_lens, seqlen)
-        qkv, grad_out = ops.unpad(qkv, unpadding), ops.unpad(grad_out, unpadding)
-        args = (unpadding.cu_seqlens, heads, seqlen, dropout_p, seed)
-        out, lse = _varlen_attention_fwd_triton(qkv, *args)
-        backward = lambda: _varlen_attention_bwd_triton(grad_out, qkv, out, lse, *args)
-    else:
-        out, lse = _attention_fwd_triton(qkv, valid_lens, heads, dropout_p, seed)
-        backward = lambda: _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, heads, dropout_p, seed)
+    _, backward = backward_after_forward(4, 128, 12, 64, valid_lens, dropout_p, seed, varlen, torch.bfloat16, "cuda")
     two = backward()
     monkeypatch.setattr(ATTENTION, "ONE_KERNEL_BACKWARD_MAX_SEQLEN", 128)
     launched = launched_kernels(monkeypatch)

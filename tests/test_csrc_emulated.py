@@ -121,15 +121,20 @@ int main(int argc, char** argv) {
 """
 
 
-@pytest.fixture(scope="module")
-def harness(tmp_path_factory):
-    build = tmp_path_factory.mktemp("csrc_emulated")
-    (build / "harness.cpp").write_text(HARNESS)
-    binary = build / "harness"
-    result = subprocess.run([CXX, "-std=c++20", "-O1", "-pthread", "-I", str(CSRC), "-I", _cuda_include_dir(),
-                             str(build / "harness.cpp"), "-o", str(binary)], capture_output=True, text=True)
+def compile_harness(tmp_path_factory, name, source, *flags):
+    """The host compiler's binary of ``source``, with csrc/ on the include path."""
+    build = tmp_path_factory.mktemp(name)
+    (build / f"{name}.cpp").write_text(source)
+    binary = build / name
+    result = subprocess.run([CXX, "-std=c++20", "-O1", *flags, "-I", str(CSRC), str(build / f"{name}.cpp"),
+                             "-o", str(binary)], capture_output=True, text=True)
     assert result.returncode == 0, f"the harness did not compile:\n{result.stderr[-4000:]}"
     return binary
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    return compile_harness(tmp_path_factory, "csrc_emulated", HARNESS, "-pthread", "-I", _cuda_include_dir())
 
 
 def kernel_order_sums(partials):
@@ -215,13 +220,7 @@ int main(int argc, char** argv) {
 
 @pytest.fixture(scope="module")
 def philox_harness(tmp_path_factory):
-    build = tmp_path_factory.mktemp("csrc_philox")
-    (build / "philox.cpp").write_text(PHILOX_HARNESS)
-    binary = build / "philox"
-    result = subprocess.run([CXX, "-std=c++20", "-O1", "-Wall", "-I", str(CSRC), str(build / "philox.cpp"),
-                             "-o", str(binary)], capture_output=True, text=True)
-    assert result.returncode == 0, f"the harness did not compile:\n{result.stderr[-4000:]}"
-    return binary
+    return compile_harness(tmp_path_factory, "csrc_philox", PHILOX_HARNESS, "-Wall")
 
 
 @pytest.mark.parametrize("seed", [1234, 2**40 + 7], ids=["seed_lo", "seed_hi"])

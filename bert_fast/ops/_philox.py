@@ -26,6 +26,8 @@ graphs and ``torch.compile(fullgraph=True)``, and ``torch.manual_seed`` repeats 
 
 import torch
 
+from ._triton import tl, triton
+
 _MASK32 = 0xFFFFFFFF
 _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
@@ -102,3 +104,16 @@ def check_seed(seed, dropout_p, device):
         raise ValueError(f"seed must be a one-element int64 tensor, got {got}")
     if seed.device != device:
         raise ValueError(f"seed must be on the inputs' device ({device}), got {seed.device}")
+
+
+@triton.jit
+def interleaved_keep(w0, w1, w2, w3, dropout_p, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """The kernels' keep mask (ROWS, COLS) from the four Philox words of (ROWS, COLS / 4)
+    groups: word k of a group is its column 4 * group + k (both rules above)."""
+    k0 = (tl.uint_to_uniform_float(w0) >= dropout_p).to(tl.int8)
+    k1 = (tl.uint_to_uniform_float(w1) >= dropout_p).to(tl.int8)
+    k2 = (tl.uint_to_uniform_float(w2) >= dropout_p).to(tl.int8)
+    k3 = (tl.uint_to_uniform_float(w3) >= dropout_p).to(tl.int8)
+    # (ROWS, COLS / 4, 2, 2) holding [k0, k1; k2, k3] per group: row-major, the columns in order.
+    keep = tl.join(tl.join(k0, k2), tl.join(k1, k3))
+    return tl.reshape(keep, (ROWS, COLS)) != 0

@@ -42,7 +42,7 @@ from .. import extension
 from ..extension import require_extension
 from ._autograd import (autocasting, below_autograd, deferred_ops, forbid_double_backward, once_differentiable,
                         records_grad, thin_apply, use_registered_op)
-from ._philox import check_seed, dropout_seed, row_keep
+from ._philox import check_seed, dropout_seed, interleaved_keep, row_keep
 from ._triton import (as_dtype, cdiv, compute_dtype, cpu_kernel, KERNEL_DTYPES, launch, next_power_of_2,
                       nothing_to_launch, reduction_programs, require_triton, rows, tl, triton, uses_triton)
 from .column_sums import column_sums
@@ -83,13 +83,7 @@ def _row_keep(seed_ptr, rows64, hidden, dropout_p, ROWS: tl.constexpr, BLOCK_H: 
     groups = tl.arange(0, BLOCK_H // 4)
     counter = rows64 * ((hidden + 3) // 4) + groups[None, :]
     w0, w1, w2, w3 = tl.randint4x(tl.load(seed_ptr), counter)
-    k0 = (tl.uint_to_uniform_float(w0) >= dropout_p).to(tl.int8)
-    k1 = (tl.uint_to_uniform_float(w1) >= dropout_p).to(tl.int8)
-    k2 = (tl.uint_to_uniform_float(w2) >= dropout_p).to(tl.int8)
-    k3 = (tl.uint_to_uniform_float(w3) >= dropout_p).to(tl.int8)
-    # (ROWS, BLOCK_H / 4, 2, 2) holding [k0, k1; k2, k3] per group: row-major, the columns in order.
-    keep = tl.join(tl.join(k0, k2), tl.join(k1, k3))
-    return tl.reshape(keep, (ROWS, BLOCK_H)) != 0
+    return interleaved_keep(w0, w1, w2, w3, dropout_p, ROWS, BLOCK_H)
 
 
 @triton.jit

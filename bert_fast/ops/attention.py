@@ -60,7 +60,7 @@ from torch.nn import functional as F
 from ..reference import MASK_VALUE
 from ._autograd import (deferred_ops, forbid_double_backward, once_differentiable, records_grad, thin_apply,
                         use_registered_op)
-from ._philox import check_seed, dropout_seed, philox_uniform, philox_words
+from ._philox import check_seed, dropout_seed, interleaved_keep, philox_uniform, philox_words
 from ._triton import (as_dtype, cdiv, compute_dtype, cpu_kernel, interpreting, launch, next_power_of_2,
                       require_triton, tl, triton, uses_triton, values_on_host)
 from .padding import pad, unpad
@@ -209,13 +209,7 @@ def _dropout_keep(seed_ptr, bh, queries, first_key, max_seqlen, dropout_p,
     counter = (queries.to(tl.int64)[:, None] * ((max_seqlen + 3) // 4) + groups[None, :]).to(tl.uint32)
     zero = counter * 0
     w0, w1, w2, w3 = tl.philox(tl.load(seed_ptr), counter, zero + bh.to(tl.uint32), zero, zero)
-    k0 = (tl.uint_to_uniform_float(w0) >= dropout_p).to(tl.int8)
-    k1 = (tl.uint_to_uniform_float(w1) >= dropout_p).to(tl.int8)
-    k2 = (tl.uint_to_uniform_float(w2) >= dropout_p).to(tl.int8)
-    k3 = (tl.uint_to_uniform_float(w3) >= dropout_p).to(tl.int8)
-    # (Q, K/4, 2, 2) holding [k0, k1; k2, k3] per group: row-major, the keys in order.
-    keep = tl.join(tl.join(k0, k2), tl.join(k1, k3))
-    return tl.reshape(keep, (BLOCK_Q, BLOCK_K)) != 0
+    return interleaved_keep(w0, w1, w2, w3, dropout_p, BLOCK_Q, BLOCK_K)
 
 
 @triton.jit
