@@ -666,7 +666,7 @@ def _launch_fwd(qkv, out, lse, counts, cu_seqlens, batch, num_heads, head_dim, m
 ONE_KERNEL_BACKWARD_MAX_SEQLEN = 0
 
 
-def _one_kernel_tiles(max_seqlen, block_d, element_size, interpreter=None):
+def _one_kernel_tiles(max_seqlen, block_d, interpreter=None):
     """Tiles of the one-kernel backward at ``max_seqlen``, or None where it does not apply:
     longer sequences, or every key's dK and dV accumulators (BLOCK_N x BLOCK_D fp32 each) over
     128 x 64 (the registers of a program). BLOCK_N holds every key; queries go BLOCK_M a step."""
@@ -678,7 +678,8 @@ def _one_kernel_tiles(max_seqlen, block_d, element_size, interpreter=None):
     if interpreting() if interpreter is None else interpreter:
         return _Tiles(16, block_n, 1, 1)
     # Chosen without a GPU, to fit the registers: 8 warps hold the 128-key accumulators at
-    # 64 fp32 values a thread; fp32 inputs (FMA products) take half the query rows.
+    # 64 fp32 values a thread; 16 query rows a step take 154-185 registers a thread (ptxas,
+    # sm_90, bf16, d 64), 32 rows 170-255.
     return _Tiles(16, block_n, 8 if block_n * block_d > 64 * 64 else 4, 2)
 
 
@@ -692,8 +693,7 @@ def _launch_bwd(grad_out, qkv, out, lse, dqkv, counts, cu_seqlens, batch, num_he
     scalars = (num_heads, head_dim, max_seqlen, 1.0 / math.sqrt(head_dim), dropout_p, seed)
     flags = dict(HAS_VALID_LENS=counts is not None, IS_VARLEN=cu_seqlens is not None,
                  HAS_DROPOUT=dropout_p > 0.0, DOT_PRECISION=precision, BLOCK_D=block_d)
-    one_kernel = (_one_kernel_tiles(max_seqlen, block_d, qkv.element_size())
-                  if ONE_KERNEL_BACKWARD_MAX_SEQLEN else None)
+    one_kernel = _one_kernel_tiles(max_seqlen, block_d) if ONE_KERNEL_BACKWARD_MAX_SEQLEN else None
     if one_kernel is None:
         delta = torch.empty_like(lse, dtype=torch.float32)
         # dQ first: it writes delta, which the dK/dV kernel reads.
