@@ -1,7 +1,7 @@
 """The compiled extension's C++ CPU ops (csrc/*_cpu.cpp, torch.ops.bert_fast.ext_*) against their
 PyTorch CPU twins and the eager math: forward and backward (the bwd ops called directly, compared
 with autograd of the eager math), fp32 and bf16, odd H, one-row inputs, strided inputs, the
-dropout mask (bit for bit against tl.rand), thread-count independence, and input validation."""
+dropout mask (bit for bit against tl.randint4x's words), thread-count independence, and input validation."""
 
 import importlib
 
