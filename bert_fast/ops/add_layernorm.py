@@ -408,12 +408,6 @@ def _add_layernorm_fwd(x, residual, weight, bias, eps, seed, dropout_p, stats=Tr
     return _add_layernorm_fwd_triton(x, residual, weight, bias, eps, seed, dropout_p, stats, check)
 
 
-def _add_layernorm_fwd_output(x, residual, weight, bias, eps, seed, dropout_p, check=True):
-    """(output, ...) of _add_layernorm_fwd where no backward follows: the kernel stores no
-    statistics."""
-    return _add_layernorm_fwd(x, residual, weight, bias, eps, seed, dropout_p, False, check)
-
-
 def _add_layernorm_bwd(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias, x_bias=False,
                        check=True):
     """The launcher for the inputs' device; ``x_bias``: also d_x's column sum (a fifth output,

@@ -43,8 +43,7 @@ from typing import NamedTuple
 import torch
 from torch.nn import functional as F
 
-from .add_layernorm import (_add_layernorm_bwd_triton, _add_layernorm_fwd, _add_layernorm_fwd_output, _ext_bwd,
-                            _ext_fwd, _saved_bwd)
+from .add_layernorm import _add_layernorm_bwd_triton, _add_layernorm_fwd, _ext_bwd, _ext_fwd, _saved_bwd
 from .attention import (_attention_bwd, _attention_fwd, _runs_kernel, _varlen_attention_bwd, _varlen_attention_fwd,
                         key_mask as _key_mask)
 from .bias_act import _bias_act_bwd, _bias_act_bwd_triton, _bias_act_fwd, _relu_bwd
@@ -192,7 +191,8 @@ def _unchecked_norm_with_stats(x, residual, weight, bias, eps, seed, p):
 
 
 def _unchecked_norm_output(x, residual, weight, bias, eps, seed, p):
-    return _add_layernorm_fwd_output(x, residual, weight, bias, eps, seed, p, False)
+    """Where no backward follows: the kernel stores no statistics."""
+    return _add_layernorm_fwd(x, residual, weight, bias, eps, seed, p, False, False)
 
 
 class _DeferredSums:
