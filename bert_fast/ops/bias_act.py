@@ -189,7 +189,7 @@ def _bias_act_fwd_triton(h, bias, activation):
     h2, h_stride, n_rows = rows(h, n_cols)
     # h's shape, contiguous (the kernel writes rows of n_cols): an output that is a view of a
     # 2-D buffer could not be edited in place under autograd.
-    out = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    out = torch.empty_like(h, memory_format=torch.contiguous_format)
     if not nothing_to_launch(n_rows):
         block_m, block_n, num_warps = _bias_act_blocks(n_cols)
         grid = (cdiv(n_rows, block_m), cdiv(n_cols, block_n))
@@ -221,10 +221,9 @@ def _bias_act_bwd_triton(grad_out, saved, bias, activation, check=True, defer_su
     block_m, block_n, num_warps = _bias_act_bwd_blocks(n_cols)
     col_programs = cdiv(n_cols, block_n)
     row_programs = reduction_programs(saved.device, cdiv(n_rows, block_m), col_programs)
-    d_h = torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)
+    d_h = torch.empty_like(saved, memory_format=torch.contiguous_format)
     # Every program stores its partial row (zeros if it had no rows): no zeroing needed.
-    d_bias_partial = (torch.empty((row_programs, n_cols), dtype=torch.float32, device=saved.device)
-                      if bias is not None else None)
+    d_bias_partial = saved.new_empty(row_programs, n_cols, dtype=torch.float32) if bias is not None else None
     empty = nothing_to_launch(n_rows)
     if not empty:
         launch(_bias_act_bwd_kernel, d_h)[(row_programs, col_programs)](
