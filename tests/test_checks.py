@@ -217,3 +217,33 @@ def test_segment_ids_of_a_wider_dtype_are_checked_without_wrapping():
     segments[1, 3] = 2 ** 33
     with pytest.raises(ValueError, match="segment ids must be 0 or 1"):
         fast(tokens, segments, torch.tensor([5, 3]))
+
+
+@pytest.mark.parametrize("tokens,segments,valid_lens", [
+    (torch.tensor([[0, 49]]), torch.tensor([[0, 1]]), torch.tensor([1.5])),
+    (torch.tensor([[0, 50]]), torch.tensor([[0, 1]]), None),
+    (torch.tensor([[-1, 3]], dtype=torch.int32), torch.tensor([[0, 1]]), None),
+    (torch.tensor([[0, 3]], dtype=torch.int32), torch.tensor([[0, 2 ** 33]]), None),
+    (torch.tensor([[0, 3]]), torch.tensor([[-1, 0]]), torch.tensor([[1, 2]])),
+    (torch.tensor([[0, 3]]), torch.tensor([[0, 0]]), torch.tensor([float("nan")])),
+], ids=["valid", "token-high", "token-negative", "segment-wide", "segment-negative", "nan"])
+def test_value_check_of_host_and_device_inputs_agree(tokens, segments, valid_lens):
+    """The value check reads CPU inputs per tensor (no sync to save there) and CUDA inputs in one
+    stacked read (one sync); the GPU's form runs here on CPU tensors standing for CUDA ones
+    (kernels_on_cpu). Both accept and reject the same inputs with the same message."""
+    from bert_fast.checks import _check_values
+    from bert_fast.ops._triton import kernels_on_cpu
+
+    def outcome():
+        try:
+            _check_values(tokens, segments, valid_lens, 50)
+        except ValueError as error:
+            return str(error)
+        return "accepted"
+
+    on_host = outcome()
+    with kernels_on_cpu():
+        as_on_device = outcome()
+    assert on_host == as_on_device
+    assert (on_host == "accepted") == (tokens.min() >= 0 and tokens.max() < 50 and segments.min() >= 0
+                                       and segments.max() <= 1 and (valid_lens is None or not valid_lens.isnan().any()))
