@@ -34,8 +34,9 @@ transform, and the block's submodules the plain fast ones without hooks; padded 
 Unpadding). torch.compile traces the per-op registered ops instead (Inductor fuses across them
 itself). Attention: the Triton kernels on CUDA (padded, or varlen over the packed tokens; on
 the CPU with dropout, their twin); on the CPU without dropout PyTorch's fused CPU attention
-(``_scaled_dot_product_flash_attention_for_cpu`` and its backward: what SDPA runs), over the
-padded batch with the key mask, or once per sequence of packed tokens.
+(``_scaled_dot_product_flash_attention_for_cpu`` and its backward, what SDPA runs; in inference
+SDPA itself, which needs no LSE), over the padded batch with the key mask, or once per sequence
+of packed tokens.
 """
 
 from typing import NamedTuple
