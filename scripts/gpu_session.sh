@@ -6,6 +6,8 @@
 #   bash scripts/gpu_session.sh build tests        # the extension in place, every test
 #   bash scripts/gpu_session.sh sanitize kernels   # compute-sanitizer, per-kernel times
 #   bash scripts/gpu_session.sh build profile      # the kernels of one forward, graph replay time
+#   bash scripts/gpu_session.sh build profile-blas # the dense shape's replay under PyTorch's GEMM path
+#                                                  # choices (cuBLASLt's memsets, 2026-11-27)
 #   bash scripts/gpu_session.sh build profile-train kernels-small   # a training step's kernels;
 #                                                  # the memory-bound ops' kernels at 128-8192 rows
 #   bash scripts/gpu_session.sh profile-train-step # a whole pretraining step: wall vs kernels,
@@ -183,6 +185,20 @@ for step in "$@"; do
         # The kernels of one forward (torch profiler) and its CUDA-graph replay time, per shape:
         # where the GPU time goes, the auto backend beside triton.
         run profile env PYTHONPATH=. python scripts/profile_kernels.py --backends auto triton ;;
+    profile-blas)
+        # The dense shape's graph replay (B128 L128: 5.63 ms, 2.9 M tokens/s on the H100 of
+        # 2026-11-26, goal 3.0 M) held 48 "Memset (Device)" nodes (4 a layer, 0.9 µs each plus the
+        # graph's gap after each; 2 a layer at B16 L512, none at B1 L128) beside cuBLASLt's
+        # cooperative bias-epilogue GEMMs (nvjet ..._coopA/coopB_bias): whether PyTorch's GEMM
+        # path choices remove them, and what that does to the replay. One process each (PyTorch
+        # reads these once): the default; addmm without cuBLASLt (bias copied in, then a GEMM);
+        # cuBLASLt for every GEMM; a 1 MiB cuBLASLt workspace.
+        for blas in default DISABLE_ADDMM_CUDA_LT=1 TORCH_BLAS_PREFER_CUBLASLT=1 CUBLASLT_WORKSPACE_SIZE=1024; do
+            name=${blas%%=*}; name=$(echo "${name}" | tr 'A-Z_' 'a-z-')
+            envs=(PYTHONPATH=.); [ "$blas" = default ] || envs+=("$blas")
+            run "profile-blas-$name" env "${envs[@]}" python scripts/profile_kernels.py --shapes dense long \
+                --backends auto --top 8
+        done ;;
     profile-graph-call)
         # Where a cuda_graphs=True call's host time goes beside its replay (B1 L128: 0.777 ms a
         # call against a 0.434 ms replay on the H100), check_inputs on and off, capture_encoder.
