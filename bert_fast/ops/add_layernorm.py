@@ -400,12 +400,12 @@ def _add_layernorm_bwd_cpu(grad_out, x, residual, weight, mean, rstd, seed, drop
             as_dtype(d_weight, x.dtype), as_dtype(d_bias, x.dtype))
 
 
-def _add_layernorm_fwd(x, residual, weight, bias, eps, seed, dropout_p, stats=True, check=True):
+def _add_layernorm_fwd(x, residual, weight, bias, eps, seed, dropout_p, stats=True):
     """The launcher for the inputs' device: the Triton kernel, or the CPU kernel (which makes
     the statistics whatever ``stats`` says: native_layer_norm does)."""
     if cpu_kernel(x):
         return _add_layernorm_fwd_cpu(x, residual, weight, bias, eps, seed, dropout_p)
-    return _add_layernorm_fwd_triton(x, residual, weight, bias, eps, seed, dropout_p, stats, check)
+    return _add_layernorm_fwd_triton(x, residual, weight, bias, eps, seed, dropout_p, stats)
 
 
 def _add_layernorm_bwd(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias, x_bias=False,
