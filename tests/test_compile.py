@@ -127,7 +127,8 @@ def test_fullgraph_compile_of_skip_padding_matches_eager(backend):
     """skip_padding's token count N is data-dependent: under torch.compile it is one unbacked
     SymInt (no per-sequence host ints, no Python branch on them), so fullgraph traces it, and
     other valid_lens (another N) reuse the same graph. Valid positions equal eager's, padded
-    ones are zeros."""
+    ones are zeros. A new (B, L) recompiles with dynamic sizes (L, the varlen kernels'
+    max_seqlen, a SymInt then) and still agrees."""
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
@@ -141,6 +142,12 @@ def test_fullgraph_compile_of_skip_padding_matches_eager(backend):
         assert_close(out[valid], expected[valid], atol=1e-5, what=f"valid positions, valid_lens={valid_lens}")
         assert torch.all(out[~valid] == 0), "padded positions must be zeros"
     assert counters["stats"]["unique_graphs"] == 1, "a new token count must not recompile"
+    tokens, segments = random_inputs(2, 13, 50)
+    valid_lens = torch.tensor([13.0, 4.0])
+    valid = _valid(valid_lens, 13)
+    with torch.no_grad():
+        out, expected = compiled(tokens, segments, valid_lens), fast(tokens, segments, valid_lens)
+    assert_close(out[valid], expected[valid], atol=1e-5, what="valid positions of a second (B, L)")
 
 
 def test_fullgraph_compile_of_skip_padding_trains():

@@ -599,7 +599,7 @@ def _check_varlen_inputs(qkv, cu_seqlens, num_heads, max_seqlen, dropout_p, seed
         raise ValueError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
     if cu_seqlens.device != qkv.device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but qkv is on {qkv.device}")
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (int, torch.SymInt)) or max_seqlen < 0:
         raise ValueError(f"max_seqlen must be an int >= 0 (at least the longest sequence), got {max_seqlen!r}")
     _check_dropout(dropout_p, max_seqlen, seed, qkv.device)
     return head_dim
