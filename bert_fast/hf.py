@@ -26,8 +26,7 @@ attention_mask, token_type_ids, position_ids, output_hidden_states, return_dict)
   layers      on the triton and cuda backends, each layer in one call, ops.encoder_layer (one
               autograd node in training, autocast included; bert_fast.modules.fused_layer, as
               FastEncoderBlock), where the layer's dropout rates are equal (HF's default) and
-              its linears are plain nn.Linear with no hook on the two dense layers the per-op
-              path calls as modules, skip_padding's packed tokens included. Otherwise (and
+              its linears are plain nn.Linear, skip_padding's packed tokens included. Otherwise (and
               on the torch backend) per op: one QKV GEMM on the packed projection (W_q/W_k/W_v kept
               back to back, as FastMultiHeadAttention does), ops.packed_self_attention,
               ops.add_layernorm, ops.linear_act (GELU erf, GELU tanh or ReLU from the config),
@@ -47,6 +46,14 @@ the dtype's minimum to the scores, which rounds them away in the forward but not
 With ``skip_padding=True`` only attended tokens are computed and the output is
 zeros at the others (HF computes values there), as in FastBERTEncoder.
 
+Hooks: the fast path calls the embeddings, their dropout, the layers and the pooler as HF does,
+and reads the other modules' Parameters. A hook on one of those others (the embeddings' tables
+or LayerNorm: HF's embeddings forward; anything inside the encoder but the layers themselves, or
+a global module hook: HF's forward), or a module replaced since optimize() by one the fast path
+cannot compute, runs HF's code, checked on every call (_Submodules). A hook on a layer runs on
+the fast path, where the layer's input is laid out as the fast path lays it out: for a mask
+with holes each sequence's attended tokens first, with skip_padding the packed (N, H) tokens.
+
 Anything else (inputs_embeds, output_attentions, head_mask, past_key_values, cross-attention
 inputs, 3-D/4-D masks, gradient checkpointing in training, unknown keyword arguments) runs HF's
 own forward on the same modules, with one HFFallbackWarning per model and reason. Models the
@@ -56,6 +63,7 @@ warning by optimize().
 """
 
 import warnings
+from itertools import chain
 
 import torch
 from torch import nn
@@ -118,8 +126,9 @@ def _check_layer_norm(name, ln, hidden):
              f"{name} is not a LayerNorm over the {hidden} hidden features")
 
 
-def _check_embeddings(emb, hidden):
-    _require(type(emb) in (BertEmbeddings, FastBertEmbeddings), f"embeddings of class {type(emb).__name__}")
+def _check_embeddings(emb, hidden, swapped):
+    _require(isinstance(emb, FastBertEmbeddings) if swapped else type(emb) in (BertEmbeddings, FastBertEmbeddings),
+             f"embeddings of class {type(emb).__name__}")
     for name in ("word_embeddings", "position_embeddings", "token_type_embeddings"):
         _check_embedding_table(name, getattr(emb, name, None), hidden)
     _require(emb.position_embeddings.padding_idx is None and emb.token_type_embeddings.padding_idx is None,
@@ -133,9 +142,10 @@ def _check_embeddings(emb, hidden):
              f"position_embedding_type {getattr(emb, 'position_embedding_type', None)!r} (only 'absolute')")
 
 
-def _check_layer(layer, index, hidden):
+def _check_layer(layer, index, hidden, swapped):
     where = f"encoder.layer.{index}"
-    _require(type(layer) in (BertLayer, FastBertLayer), f"{where} of class {type(layer).__name__}")
+    _require(isinstance(layer, FastBertLayer) if swapped else type(layer) in (BertLayer, FastBertLayer),
+             f"{where} of class {type(layer).__name__}")
     _require(not getattr(layer, "add_cross_attention", False) and not getattr(layer, "is_decoder", False),
              f"{where}: decoder / cross-attention layer")
     _require(not getattr(layer.attention, "is_cross_attention", False), f"{where}: cross-attention")
@@ -153,31 +163,124 @@ def _check_layer(layer, index, hidden):
     for name in ("query", "key", "value"):
         proj = getattr(attn, name)
         _require(getattr(proj, "out_features", hidden) == hidden, f"{where}.{name} does not produce {hidden} features")
+    for name, dropout in (("attention.self.dropout", attn.dropout), ("attention.output.dropout",
+                          layer.attention.output.dropout), ("output.dropout", layer.output.dropout)):
+        _require(type(dropout) is nn.Dropout, f"{where}.{name} is {type(dropout).__name__}, not nn.Dropout")
     _check_layer_norm(f"{where}.attention.output.LayerNorm", layer.attention.output.LayerNorm, hidden)
     _check_layer_norm(f"{where}.output.LayerNorm", layer.output.LayerNorm, hidden)
     _activation_of(layer.intermediate.intermediate_act_fn)
 
 
-def check_supported(model):
-    """Raise Unsupported (saying why) unless the fast path computes ``model`` (a BertModel) exactly."""
-    _require(type(model) in (BertModel, FastBertModel), f"class {type(model).__name__} (a subclass may have "
-             "its own forward; only transformers' BertModel itself is swapped)")
+def check_supported(model, swapped=False):
+    """Raise Unsupported (saying why) unless the fast path computes ``model`` (a BertModel) exactly.
+    ``swapped``: the model is optimize()'s already (re-checked when its submodules change); its
+    classes may be subclasses of ours (FSDP2's fully_shard makes them)."""
+    _require(swapped or type(model) in (BertModel, FastBertModel), f"class {type(model).__name__} (a subclass may "
+             "have its own forward; only transformers' BertModel itself is swapped)")
     config = model.config
     _require(not getattr(config, "is_decoder", False), "config.is_decoder (causal self-attention)")
     _require(not getattr(config, "add_cross_attention", False), "config.add_cross_attention")
     position_type = getattr(config, "position_embedding_type", "absolute")
     _require(position_type == "absolute", f"position_embedding_type {position_type!r} (only 'absolute')")
     hidden = config.hidden_size
-    _check_embeddings(model.embeddings, hidden)
+    _check_embeddings(model.embeddings, hidden, swapped)
     layers = getattr(model.encoder, "layer", None)
     _require(isinstance(layers, nn.ModuleList) and len(layers) > 0, "encoder without a layer ModuleList")
     for i, layer in enumerate(layers):
-        _check_layer(layer, i, hidden)
+        _check_layer(layer, i, hidden, swapped)
+
+
+# ----------------------------------------------------------------------------------------------
+# What the fast path must see again on every call: hooks, and submodules replaced since optimize()
+# ----------------------------------------------------------------------------------------------
+
+# transformers installs forward hooks of its own, for good, on the first call that asks for
+# hidden states or attentions (transformers.utils.output_capturing); they record only inside HF's
+# forward, which such calls run (FusedAttentionMask's layers are never asked for them).
+_OUTPUT_CAPTURE = "transformers.utils.output_capturing"
+
+
+def _has_user_hooks(module):
+    """Whether ``module`` has a hook (forward, pre-forward, backward) other than transformers'
+    output-capturing ones."""
+    return any(getattr(hook, "__module__", None) != _OUTPUT_CAPTURE
+               for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks,
+                             module._backward_hooks)
+               for hook in hooks.values())
+
+
+class _Submodules:
+    """A FastBertModel's embeddings and encoder as the fast path last checked them.
+
+    The fast path calls few of those modules (the embeddings and their dropout, the layers, the
+    pooler): it reads the others' Parameters. So each call re-reads, in ~20 us for 12 layers
+    (the modules' own dicts, no walk of the tree), whether a module was put in or taken out
+    anywhere since the last check (then check_supported runs again: what it refuses, such as a
+    LayerNorm replaced by another norm or a different attention module, runs HF's forward), and
+    whether a module inside the encoder other than the layers themselves has a hook (HF's
+    forward then, so the hook runs and sees what it would see in HF; hooks on the layers run on
+    the fast path, and FSDP2 puts its own there). The embeddings' tables and LayerNorm are
+    FastBertEmbeddings' to check: a hook there runs HF's embeddings, the layers stay fused."""
+
+    __slots__ = ("child_dicts", "children", "hook_dicts", "hooked", "unsupported", "hook_keys", "hook_reason")
+
+    def __init__(self, model):
+        # Only the modules with children: one put under a leaf changes nothing the fast path reads.
+        modules = [*model.embeddings.modules(), *model.encoder.modules()]
+        self.child_dicts = [m._modules for m in modules if m._modules]
+        self.children = self.current_children()
+        layers = set(map(id, model.encoder.layer))
+        self.hooked = [(name, m) for name, m in model.encoder.named_modules(prefix="encoder") if id(m) not in layers]
+        self.hook_dicts = [d for _, m in self.hooked for d in (m._forward_pre_hooks, m._forward_hooks,
+                                                             m._backward_pre_hooks, m._backward_hooks)]
+        self.hook_keys, self.hook_reason = [], None
+        try:
+            check_supported(model, swapped=True)
+            self.unsupported = None
+        except Unsupported as e:
+            self.unsupported = str(e)
+
+    def current_children(self):
+        return list(chain.from_iterable(map(dict.values, self.child_dicts)))
+
+    def fallback_reason(self):
+        """Why HF's forward must run (as the last check found the modules), or None."""
+        if self.unsupported is not None:
+            return f"a submodule replaced since optimize(): {self.unsupported}"
+        if not any(self.hook_dicts):
+            return None
+        # Hooks somewhere (transformers' own stay for good): looked at again when one is added or
+        # removed, which changes the handles' ids (unique, increasing).
+        keys = list(map(tuple, filter(None, self.hook_dicts)))
+        if keys != self.hook_keys:
+            self.hook_keys = keys
+            self.hook_reason = next((f"a hook on {name}" for name, module in self.hooked
+                                     if _has_user_hooks(module)), None)
+        return self.hook_reason
+
+
+@torch.compiler.assume_constant_result
+def _submodules_reason(model):
+    """_Submodules' fallback reason for ``model``, checked again where a module was replaced
+    since the last call. torch.compile takes the answer its trace gets as a constant: what
+    Dynamo does with hooks itself (added after the compilation, they are not seen; guarding
+    ~800 hook dicts made every compiled call of BERT-base ~0.3 ms slower)."""
+    known = model.__dict__.get("_bert_fast_submodules")
+    if known is None or known.current_children() != known.children:
+        known = _Submodules(model)
+        model.__dict__["_bert_fast_submodules"] = known
+    return known.fallback_reason()
 
 
 # ----------------------------------------------------------------------------------------------
 # The fast modules: subclasses of HF's, given to the existing objects by optimize()
 # ----------------------------------------------------------------------------------------------
+
+def _read_in_place(module, cls):
+    """Whether the fast path may read ``module``'s Parameters rather than call it: it is a
+    ``cls`` itself, with no hook of the user's."""
+    return type(module) is cls and (_hookless(module) or not _has_user_hooks(module))
+
 
 class FastBertEmbeddings(BertEmbeddings):
     """BertEmbeddings through ops.embedding_layernorm (the HF math; a nonzero cache length,
@@ -188,8 +291,15 @@ class FastBertEmbeddings(BertEmbeddings):
     def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None, *args, **kwargs):
         # After inputs_embeds: the cache's length (past_key_values_length; cache_length since
         # transformers 5.24), an offset of the positions that only a decoder's cache makes nonzero.
+        sub = self._modules
+        word, positions, types, ln = (sub["word_embeddings"], sub["position_embeddings"],
+                                      sub["token_type_embeddings"], sub["LayerNorm"])
+        # The three tables and the LayerNorm are read, not called: HF's forward for what that
+        # would change (another class put there since optimize(), a hook, a global module hook).
         if (input_ids is None or inputs_embeds is not None or any(args) or any(kwargs.values())
-                or type(self._modules["LayerNorm"]) is not nn.LayerNorm):
+                or not (_read_in_place(word, nn.Embedding) and _read_in_place(positions, nn.Embedding)
+                        and _read_in_place(types, nn.Embedding) and _read_in_place(ln, nn.LayerNorm))
+                or any(_GLOBAL_HOOKS)):
             return super().forward(input_ids, token_type_ids, position_ids, inputs_embeds, *args, **kwargs)
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
@@ -200,13 +310,12 @@ class FastBertEmbeddings(BertEmbeddings):
             token_type_ids = token_type_ids.expand(batch, seqlen)
         if position_ids is not None and position_ids.dim() == 1:
             position_ids = position_ids[None]
-        if position_ids is None and seqlen > self.position_embeddings.num_embeddings:
-            raise ValueError(f"sequence length {seqlen} exceeds max_position_embeddings "
-                             f"{self.position_embeddings.num_embeddings}")
-        sub = self._modules
-        word, ln = sub["word_embeddings"], sub["LayerNorm"]
-        out = embedding_layernorm(input_ids, token_type_ids, word.weight, sub["token_type_embeddings"].weight,
-                                  sub["position_embeddings"].weight, ln.weight, ln.bias, ln.eps,
+        if position_ids is not None and position_ids.dim() == 2 and position_ids.shape[1] == 1 < seqlen:
+            position_ids = position_ids.expand(position_ids.shape[0], seqlen)    # (B, 1): HF broadcasts it
+        if position_ids is None and seqlen > positions.num_embeddings:
+            raise ValueError(f"sequence length {seqlen} exceeds max_position_embeddings {positions.num_embeddings}")
+        out = embedding_layernorm(input_ids, token_type_ids, word.weight, types.weight, positions.weight,
+                                  ln.weight, ln.bias, ln.eps,
                                   positions=position_ids, padding_idx=word.padding_idx,
                                   backend=backend_of(self.bert_fast_backend, input_ids))
         return sub["dropout"](out)
@@ -295,9 +404,9 @@ class FastBertLayer(BertLayer):
         attention, intermediate, output = self.attention, self.intermediate, self.output
         attn, attn_out = attention.self, attention.output
         training = self.training
+        # Hooks inside a layer send FastBertModel's calls to HF's forward (_Submodules).
         if (backend != "torch" and X.dim() == (3 if mask.unpadding is None else 2) and not torch.compiler.is_compiling()
-                and not any(_GLOBAL_HOOKS) and not torch._C._get_tracing_state()
-                and _hookless(attn_out.dense) and _hookless(output.dense)):   # the modules called below
+                and not torch._C._get_tracing_state()):
             p = attn.dropout.p if training else 0.0
             if not training or p == attn_out.dropout.p == output.dropout.p:
                 attended = mask.key_mask if mask.unpadding is None else mask.unpadding
@@ -374,6 +483,10 @@ class FastBertModel(BertModel):
                 return f"argument {name!r}"
         if kwargs.get("output_attentions") is None and getattr(self.config, "output_attentions", False):
             return "config.output_attentions"
+        if "output_hidden_states" not in kwargs:
+            selection = getattr(self.config, "output_hidden_states", False)
+            if not (selection is None or isinstance(selection, bool)):
+                return f"config.output_hidden_states={selection!r}"
         if attention_mask is not None and attention_mask.dim() != 2:
             return f"a {attention_mask.dim()}-D attention_mask (only 2-D key padding masks are fused)"
         if self.training and any(getattr(layer, "gradient_checkpointing", False) for layer in self.encoder.layer):
@@ -382,7 +495,9 @@ class FastBertModel(BertModel):
         if not (isinstance(self.embeddings, FastBertEmbeddings)
                 and all(isinstance(layer, FastBertLayer) for layer in self.encoder.layer)):
             return "embeddings or layers replaced since optimize()"
-        return None
+        if any(_GLOBAL_HOOKS):
+            return "global module hooks (the fast path calls few of the modules)"
+        return _submodules_reason(self)
 
     def _warn_fallback(self, reason):
         warned = self.__dict__.setdefault("_bert_fast_warned", set())
@@ -399,17 +514,15 @@ class FastBertModel(BertModel):
         if reason is not None:
             self._warn_fallback(reason)
             return super().forward(input_ids, attention_mask, token_type_ids, position_ids, *args, **kwargs)
+        # As transformers 5's BertModel reads them (its capture_outputs): a keyword given, even
+        # None, over the config; a tuple only for return_dict False.
+        config = self.config
         return self._fast_forward(input_ids, attention_mask, token_type_ids, position_ids,
-                                  kwargs.get("output_hidden_states"), kwargs.get("return_dict"))
+                                  bool(kwargs.get("output_hidden_states", getattr(config, "output_hidden_states", False))),
+                                  kwargs.get("return_dict", getattr(config, "return_dict", True)) is not False)
 
     def _fast_forward(self, input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states,
                       return_dict):
-        config = self.config
-        if output_hidden_states is None:
-            output_hidden_states = getattr(config, "output_hidden_states", False)
-        if return_dict is None:
-            # What HF's use_return_dict means (that property itself is deprecated in transformers 5).
-            return_dict = getattr(config, "return_dict", True) and not getattr(config, "torchscript", False)
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError(f"input_ids must be a (batch, seq_len) tensor, got "
                              f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)}")

@@ -371,6 +371,169 @@ def _layer_nodes(output):
 FUSED_BACKENDS = [b for b in ("triton", "cuda") if b in available_backends()]
 
 
+class LinearWrapper(torch.nn.Module):
+    """A module around an nn.Linear, as LoRA-style adapters put one (here computing the same)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def _count_fused_layer_calls(monkeypatch):
+    """A list that grows by one for each layer call of the fast path."""
+    calls, fused_forward = [], hf.FastBertLayer.fused_forward
+
+    def counted(self, *args):
+        calls.append(1)
+        return fused_forward(self, *args)
+
+    monkeypatch.setattr(hf.FastBertLayer, "fused_forward", counted)
+    return calls
+
+
+# A hook that changes its module's output: the fast path must run it where HF would, or take HF's code.
+def _shift_output(module, args, output):
+    if isinstance(output, torch.Tensor):
+        return output + 0.25
+    if isinstance(output, tuple):        # HF's attention modules: (output, weights)
+        return (output[0] + 0.25, *output[1:])
+    output["last_hidden_state"] = output["last_hidden_state"] + 0.25     # the encoder's ModelOutput
+    return output
+
+
+@pytest.mark.parametrize("backend", ["torch", *FUSED_BACKENDS])
+@pytest.mark.parametrize("where", ["embeddings.word_embeddings", "embeddings.LayerNorm", "encoder",
+                                   "encoder.layer.1.attention.self", "encoder.layer.0.attention.self.query",
+                                   "encoder.layer.0.attention.output.dense", "encoder.layer.1.intermediate",
+                                   "encoder.layer.0.output.LayerNorm", "encoder.layer.1.output.dropout",
+                                   "encoder.layer.0"])
+def test_hooks_run_where_hf_runs_them(monkeypatch, where, backend):
+    """The fast path reads most modules' Parameters instead of calling them: a hook on one of
+    them takes HF's code (the embeddings' own, or the whole forward with a warning), so it runs
+    and changes the output as in HF; a hook on a layer runs on the fast path. Removed, the
+    fast path is back. transformers' own output-capturing hooks (installed for good by a call
+    with output_attentions) keep it."""
+    ref, fast = hf_pair(config(), backend=backend)
+    ids, types = inputs(2, 7)
+    mask = make_mask("prefix", 2, 7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", hf.HFFallbackWarning)
+        fast(ids, mask, types, output_attentions=True)          # transformers installs its hooks
+    calls = _count_fused_layer_calls(monkeypatch)
+    called = []
+    handles = [model.get_submodule(where).register_forward_hook(
+        lambda module, args, output: called.append(1) or _shift_output(module, args, output)) for model in (ref, fast)]
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        want = ref(ids, mask, types).last_hidden_state
+        got = fast(ids, mask, types).last_hidden_state
+    assert len(called) == 2, f"the hook on {where} ran {len(called) - 1} times on the optimized model, not once"
+    assert_close(got, want, ATOL, what=f"output with a hook on {where}")
+    fallbacks = [str(w.message) for w in caught if issubclass(w.category, hf.HFFallbackWarning)]
+    whole_model = where == "encoder" or where.count(".") > 2       # inside a layer
+    assert (len(fallbacks) == 1 and f"a hook on {where}" in fallbacks[0]) if whole_model else not fallbacks, fallbacks
+    assert bool(calls) != whole_model, calls
+    for handle in handles:
+        handle.remove()
+    calls.clear()
+    with torch.no_grad():
+        assert_close(fast(ids, mask, types).last_hidden_state, ref(ids, mask, types).last_hidden_state, ATOL)
+    assert len(calls) == fast.config.num_hidden_layers, "the fast path after the hook's removal"
+
+
+def test_backward_and_global_hooks_take_hf(monkeypatch):
+    ref, fast = hf_pair(config())
+    ids, types = inputs(2, 6)
+    calls = _count_fused_layer_calls(monkeypatch)
+    grads = []
+    handle = fast.encoder.layer[1].attention.register_full_backward_hook(lambda m, gi, go: grads.append(go[0]))
+    with pytest.warns(hf.HFFallbackWarning, match="a hook on encoder.layer.1.attention"):
+        fast(ids, token_type_ids=types).last_hidden_state.sum().backward()
+    handle.remove()
+    assert len(grads) == 1 and not calls
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *args: None)
+    try:
+        with pytest.warns(hf.HFFallbackWarning, match="global module hooks"), torch.no_grad():
+            assert_close(fast(ids, token_type_ids=types).last_hidden_state,
+                         ref(ids, token_type_ids=types).last_hidden_state, ATOL)
+    finally:
+        handle.remove()
+    assert not calls
+
+
+class _HalfNorm(torch.nn.LayerNorm):
+    """A LayerNorm subclass with its own forward: the fast path must not read it as a LayerNorm."""
+
+    def forward(self, x):
+        return 0.5 * super().forward(x)
+
+
+class _ScaledEmbedding(torch.nn.Embedding):
+    def forward(self, ids):
+        return 2.0 * super().forward(ids)
+
+
+@pytest.mark.parametrize("where, make, whole_model", [
+    ("encoder.layer.0.attention.output.LayerNorm", lambda old: _HalfNorm(old.normalized_shape), True),
+    ("encoder.layer.1.output.LayerNorm", lambda old: torch.nn.RMSNorm(old.normalized_shape), True),
+    ("encoder.layer.1.attention.self.dropout", lambda old: torch.nn.Identity(), True),
+    ("encoder.layer.0.intermediate.intermediate_act_fn", lambda old: torch.nn.SiLU(), True),
+    ("embeddings.word_embeddings", lambda old: _ScaledEmbedding(old.num_embeddings, old.embedding_dim), True),
+    ("encoder.layer.0.intermediate.dense", LinearWrapper, False),
+])
+def test_modules_replaced_after_optimize_are_checked_again(monkeypatch, where, make, whole_model):
+    """A module put in after optimize() that the fast path cannot compute takes HF's forward,
+    with a warning; a wrapper of a Linear, which the fast path calls, stays on it.
+    The original put back, the fast path is back."""
+    ref, fast = hf_pair(config())
+    ids, types = inputs(2, 7)
+    mask = make_mask("holes", 2, 7)
+    calls = _count_fused_layer_calls(monkeypatch)
+    parent, name = where.rsplit(".", 1)
+    original = fast.get_submodule(where)
+    replacement = make(original)
+    if isinstance(original, torch.nn.Embedding):
+        replacement.load_state_dict(original.state_dict())
+    for model in (ref, fast):
+        setattr(model.get_submodule(parent), name, copy.deepcopy(replacement))
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_close(fast(ids, mask, types).last_hidden_state, ref(ids, mask, types).last_hidden_state, ATOL,
+                     what=f"output with {where} replaced")
+    fallbacks = [str(w.message) for w in caught if issubclass(w.category, hf.HFFallbackWarning)]
+    assert (len(fallbacks) == 1 and "replaced since optimize()" in fallbacks[0]) if whole_model else not fallbacks
+    assert bool(calls) != whole_model
+    setattr(fast.get_submodule(parent), name, original)
+    calls.clear()
+    fast(ids, mask, types)
+    assert len(calls) == fast.config.num_hidden_layers
+
+
+def test_config_output_flags_and_broadcast_position_ids():
+    """config.output_hidden_states as a selection of layers takes HF's forward; return_dict as
+    transformers 5 reads it; position_ids (B, 1) broadcast over the sequence, as in HF."""
+    ref, fast = hf_pair(config(layers=3))
+    ids, types = inputs(2, 6)
+    with torch.no_grad():
+        for model in (ref, fast):
+            model.config.output_hidden_states = [0, 2]
+        with pytest.warns(hf.HFFallbackWarning, match="config.output_hidden_states"):
+            got = fast(ids, token_type_ids=types).hidden_states
+        want = ref(ids, token_type_ids=types).hidden_states
+        assert [h is None for h in got] == [h is None for h in want] == [False, True, False, True]
+        for model in (ref, fast):
+            model.config.output_hidden_states = False
+            model.config.torchscript = True
+        assert isinstance(fast(ids), type(ref(ids)))
+        assert isinstance(fast(ids, return_dict=False), tuple)
+        positions = torch.tensor([[3], [5]])
+        assert_close(fast(ids, position_ids=positions).last_hidden_state,
+                     ref(ids, position_ids=positions).last_hidden_state, ATOL, what="position_ids (B, 1)")
+
+
 @pytest.mark.parametrize("skip_padding", [False, True])
 @pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "autocast"])
 @pytest.mark.parametrize("act", ["gelu", "relu"])
@@ -405,26 +568,25 @@ def test_training_layers_run_fused_with_hf_gradients(backend, act, amp, skip_pad
 @pytest.mark.parametrize("backend", FUSED_BACKENDS)
 def test_fused_layers_with_dropout_draw_the_per_op_masks(backend, skip_padding):
     """HF's dropout rates (0.1): the fused layers draw the per-op path's seeds in its order, so a
-    hook on a dense layer (which sends that layer one op at a time) changes nothing. With
-    skip_padding the layers run on packed tokens (on the CPU with dropout: the varlen kernels'
-    twin)."""
+    wrapper around a dense layer (LoRA-style, which sends that layer one op at a time) changes
+    nothing. With skip_padding the layers run on packed tokens (on the CPU with dropout: the
+    varlen kernels' twin)."""
     _, fast = hf_pair(config(dropout=0.1), backend=backend, skip_padding=skip_padding)
     fast.train()
     ids, types = inputs(2, 9)
     mask = make_mask("prefix", 2, 9) if skip_padding else None
     results = []
-    for hooked in (False, True):
-        handles = [layer.output.dense.register_forward_hook(lambda *args: None)
-                   for layer in fast.encoder.layer] if hooked else []
+    for wrapped in (False, True):
+        for layer in fast.encoder.layer:
+            dense = layer.output.dense
+            layer.output.dense = LinearWrapper(dense) if wrapped else getattr(dense, "inner", dense)
         fast.zero_grad(set_to_none=True)
         torch.manual_seed(3)
         out = fast(ids, mask, types).last_hidden_state
         out.square().mean().backward()
         nodes = _layer_nodes(out)
-        assert ("_EncoderLayerBackward" in nodes) != hooked, nodes
+        assert ("_EncoderLayerBackward" in nodes) != wrapped, nodes
         results.append((out.detach(), [p.grad.clone() for p in fast.parameters() if p.grad is not None]))
-        for handle in handles:
-            handle.remove()
     (fused, fused_grads), (per_op, per_op_grads) = results
     assert_close(fused, per_op, 1e-5, what="output")
     for got, want in zip(fused_grads, per_op_grads):
