@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .backend import resolve_backend
-from .modules import FastBERTEncoder, FastEncoderBlock
+from .modules import FastBERTEncoder, FastEncoderBlock, _hookless
 
 
 class _Unsupported(ValueError):
@@ -69,6 +69,7 @@ def _block_config(blk):
         _require(tuple(ln.normalized_shape) == (num_hiddens,),
                  f"norm_shape {list(ln.normalized_shape)} (only [num_hiddens] = [{num_hiddens}])")
     _require(blk.addnorm1.ln.eps == blk.addnorm2.ln.eps == 1e-5, "LayerNorm eps other than 1e-5")
+    _require_no_dropped_hooks(blk)
     return dict(key_size=W_k.in_features, query_size=W_q.in_features, value_size=W_v.in_features,
                 num_hiddens=num_hiddens, norm_shape=[num_hiddens],
                 ffn_num_input=ffn.dense1.in_features, ffn_num_hiddens=ffn.dense1.out_features,
@@ -76,12 +77,51 @@ def _block_config(blk):
                 activation=_activation_of(getattr(ffn, "relu", None)))
 
 
+# What nn.Module keeps its hooks in (those of torch >= 2.11; a missing one is skipped).
+_HOOK_ATTRIBUTES = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks",
+                    "_is_full_backward_hook")
+
+
+def _carried_and_adopted(blk):
+    """The modules of reference block ``blk`` whose hooks the fast block keeps: the ones it
+    replaces by fast modules taking the same arguments (the block, attention, AddNorms, FFN:
+    their hooks are carried over), and the ones it adopts (Linears, LayerNorms, AddNorm
+    dropouts: the same objects)."""
+    attention, ffn, addnorms = blk.attention, blk.ffn, (blk.addnorm1, blk.addnorm2)
+    adopted = (attention.W_q, attention.W_k, attention.W_v, attention.W_o, ffn.dense1, ffn.dense2,
+               *(a.ln for a in addnorms), *(a.dropout for a in addnorms))
+    return (blk, attention, ffn, *addnorms), adopted
+
+
+def _require_no_dropped_hooks(blk):
+    """A hook on a module of ``blk`` that the fast block has no counterpart of (the attention's
+    DotProductAttention, whose weights the fast attention never materialises; the FFN's ReLU)
+    would be lost: such a block is left as it is."""
+    carried, adopted = _carried_and_adopted(blk)
+    kept = {id(m) for m in carried} | {id(m) for module in adopted for m in module.modules()}
+    for name, module in blk.named_modules():
+        if id(module) not in kept and not _hookless(module):
+            raise _Unsupported(f"a hook on {name}, a module the fast block does not have")
+
+
+def _carry_hooks(old, new):
+    """Give ``new``, the fast module replacing ``old`` (same forward arguments), old's hooks:
+    the same dicts, so the hooks' handles still remove them."""
+    for name in _HOOK_ATTRIBUTES:
+        if name in old.__dict__:
+            new.__dict__[name] = old.__dict__[name]
+
+
 def _adopt_block(fast, blk):
-    """Give ``fast`` the submodules (and so the Parameters) of reference block ``blk``."""
+    """Give ``fast`` the submodules (and so the Parameters) and the hooks of reference block ``blk``."""
     for name in ("W_q", "W_k", "W_v", "W_o"):
         setattr(fast.attention, name, getattr(blk.attention, name))
     fast.addnorm1.ln, fast.addnorm2.ln = blk.addnorm1.ln, blk.addnorm2.ln
+    fast.addnorm1.dropout, fast.addnorm2.dropout = blk.addnorm1.dropout, blk.addnorm2.dropout
     fast.ffn.dense1, fast.ffn.dense2 = blk.ffn.dense1, blk.ffn.dense2
+    for old, new in zip(_carried_and_adopted(blk)[0], (fast, fast.attention, fast.ffn, fast.addnorm1, fast.addnorm2)):
+        _carry_hooks(old, new)
     # The adopted W_q/W_k/W_v move into one buffer (same Parameter objects, same values).
     fast.attention.pack_qkv_()
     fast.train(blk.training)
@@ -134,6 +174,7 @@ def _convert_encoder(enc, backend, skip_padding, cuda_graphs):
                                backend=backend, cuda_graphs=cuda_graphs)
     fast.token_embedding, fast.segment_embedding = enc.token_embedding, enc.segment_embedding
     fast.pos_embedding = pos
+    _carry_hooks(enc, fast)
     for fast_blk, blk in zip(fast.blks, enc.blks):
         _adopt_block(fast_blk, blk)
     fast.train(enc.training)

@@ -76,7 +76,8 @@ from .backend import backend_of, graph_backend_for, resolve_backend
 from .cuda_graph import _Bucket, _Calls, _is_ids, _sliced, bucket_batch, bucket_seqlen, bucket_tokens, \
     clear_cuda_graphs, graphed
 from .ops._triton import values_on_host
-from .modules import _GLOBAL_HOOKS, _hookless, _linear, _pack_back_to_back_, _QKVPacking, fused_layer
+from .modules import _ACTIVATION_FUNCTIONS, _GLOBAL_HOOKS, _hookless, _linear, _pack_back_to_back_, \
+    _QKVPacking, fused_layer
 from .ops.embedding_layernorm import embedding_layernorm
 
 
@@ -332,9 +333,6 @@ class FusedAttentionMask:
         self.key_mask, self.unpadding, self.valid_lens = key_mask, unpadding, valid_lens
 
 
-_ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
-
-
 class FastBertLayer(BertLayer):
     """BertLayer with a fused forward, taken when FastBertModel passes a FusedAttentionMask (HF
     callers get HF's forward: its mask, cache and cross-attention arguments mean HF code)."""
@@ -432,7 +430,7 @@ class FastBertLayer(BertLayer):
         if type(dense) is nn.Linear:
             hidden = ops.linear_act(Y, dense.weight, dense.bias, activation, backend=backend)
         else:
-            hidden = _ACTIVATIONS[activation](dense(Y))
+            hidden = _ACTIVATION_FUNCTIONS[activation](dense(Y))
         ln = output.LayerNorm
         return ops.add_layernorm(_linear(output.dense, hidden), Y, ln.weight, ln.bias, ln.eps, output.dropout.p,
                                  training, backend=backend)

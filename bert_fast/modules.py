@@ -5,6 +5,7 @@ and call ops; the data path is: tokens -> embedding_sum -> blocks (attention, ad
 linear_act, add_layernorm) -> output.
 """
 
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -38,15 +39,32 @@ def _hookless(module):
                 or module._backward_pre_hooks)
 
 
+def _all_hookless(modules):
+    for module in modules:
+        if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks:
+            return False
+    return True
+
+
+def _parameters_read(module, cls):
+    """Whether a forward may read ``module``'s Parameters instead of calling it: it is a ``cls``
+    itself (not a subclass with its own forward, such as a LoRA layer), with no hook, and no
+    global module hook is set. Else the module is called, so what it does, and its hooks,
+    happen as in the reference."""
+    return type(module) is cls and _hookless(module) and not any(_GLOBAL_HOOKS)
+
+
 def _linear(module, x):
     """``module(x)``; for a plain nn.Linear without hooks, F.linear on its Parameters (what its
-    forward does, without the ~2 us of host time of a module call). Anything else (a wrapper
-    such as a LoRA layer, a module with hooks, a TorchScript trace) is called as a module."""
-    if (type(module) is nn.Linear and _hookless(module)
-            and not any(_GLOBAL_HOOKS) and not torch._C._get_tracing_state()):
+    forward does, without the ~2 us of host time of a module call); called as a module while
+    torch.jit.trace records module calls."""
+    if _parameters_read(module, nn.Linear) and not torch._C._get_tracing_state():
         params = module._parameters
         return F.linear(x, params["weight"], params["bias"])
     return module(x)
+
+
+_ACTIVATION_FUNCTIONS = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
 
 
 def _normalized_size(norm_shape, num_hiddens):
@@ -120,6 +138,15 @@ class FastMultiHeadAttention(nn.Module):
         weights, biases = params[:3], params[3:]
         return torch.cat(weights), torch.cat(biases) if biases else None
 
+    def _qkv(self, X):
+        """The packed (..., 3H) projection of X: one GEMM, or, where W_q, W_k or W_v must be
+        called (a hook, a subclass: _parameters_read), the three modules' outputs."""
+        sub = self._modules
+        w_q, w_k, w_v = sub["W_q"], sub["W_k"], sub["W_v"]
+        if _parameters_read(w_q, nn.Linear) and _hookless(w_k) and _hookless(w_v) and type(w_k) is type(w_v) is nn.Linear:
+            return F.linear(X, *self._packed_qkv())
+        return torch.cat([w_q(X), w_k(X), w_v(X)], dim=-1)
+
     @torch.no_grad()
     def pack_qkv_(self):
         """Store W_q, W_k and W_v (weights, and biases) back to back in one buffer, in place, so
@@ -146,12 +173,10 @@ class FastMultiHeadAttention(nn.Module):
         dropout_p = self._modules["dropout"].p if self.training else 0.0
         backend = backend_of(self.backend, queries)
         if unpadding is not None:
-            qkv = F.linear(queries, *self._packed_qkv())
-            context = ops.unpadded_self_attention(qkv, self.num_heads, unpadding, valid_lens,
+            context = ops.unpadded_self_attention(self._qkv(queries), self.num_heads, unpadding, valid_lens,
                                                   dropout_p, backend=backend)
         elif queries is keys and keys is values:
-            qkv = F.linear(queries, *self._packed_qkv())
-            context = ops.packed_self_attention(qkv, self.num_heads, valid_lens, dropout_p,
+            context = ops.packed_self_attention(self._qkv(queries), self.num_heads, valid_lens, dropout_p,
                                                 backend=backend)
         else:
             context = ops.multi_head_attention(self.W_q(queries), self.W_k(keys), self.W_v(values),
@@ -244,10 +269,12 @@ class FastAddNorm(AddNorm):
         self.backend = resolve_backend(backend)
 
     def forward(self, X, Y):
-        ln = self._modules["ln"]
+        sub = self._modules
+        ln, dropout = sub["ln"], sub["dropout"]
+        if not (_parameters_read(ln, nn.LayerNorm) and type(dropout) is nn.Dropout and _hookless(dropout)):
+            return ln(dropout(Y) + X)        # the reference's forward, calling the modules
         return ops.add_layernorm(Y, X, ln._parameters["weight"], ln._parameters["bias"], ln.eps,
-                                 self._modules["dropout"].p, self.training,
-                                 backend=backend_of(self.backend, X))
+                                 dropout.p, self.training, backend=backend_of(self.backend, X))
 
 
 class FastPositionWiseFFN(nn.Module):
@@ -265,9 +292,13 @@ class FastPositionWiseFFN(nn.Module):
         self.dense2 = nn.Linear(ffn_num_hiddens, ffn_num_outputs)
 
     def forward(self, X):
-        dense1 = self._modules["dense1"]._parameters
-        hidden = ops.linear_act(X, dense1["weight"], dense1["bias"], self.activation,
-                                backend=backend_of(self.backend, X))
+        dense1 = self._modules["dense1"]
+        if _parameters_read(dense1, nn.Linear):
+            params = dense1._parameters
+            hidden = ops.linear_act(X, params["weight"], params["bias"], self.activation,
+                                    backend=backend_of(self.backend, X))
+        else:
+            hidden = _ACTIVATION_FUNCTIONS[self.activation](dense1(X))
         return _linear(self._modules["dense2"], hidden)
 
 
@@ -320,10 +351,9 @@ class FastEncoderBlock(nn.Module):
         records, else the launchers alone) where it applies: eager, triton/cuda backends, the
         block's own plain submodules; else None.
 
-        Hooks are honoured as the per-op path honours them: a hook on a module it calls (the
-        four sublayers, W_o, dense2) takes the per-op path; W_q, W_k, W_v, dense1 and the
-        LayerNorms are read by their Parameters on both paths. Runs once per layer and call:
-        written for host time (no generators; ~0.4 us a Python call on the CI machine)."""
+        A hook on the block's submodules (but the attention's dropout, whose weights are never
+        materialised) takes the per-op path, which calls the hooked module. Runs once per layer
+        and call: written for host time (no generators; ~0.4 us a Python call on the CI machine)."""
         if torch.compiler.is_compiling() or X.dim() != (3 if unpadding is None else 2):
             return None
         sub = self._modules
@@ -337,8 +367,10 @@ class FastEncoderBlock(nn.Module):
             return None
         a, f, n1, n2 = attention._modules, ffn._modules, addnorm1._modules, addnorm2._modules
         w_o, dense2 = a["W_o"], f["dense2"]
-        if not (_hookless(attention) and _hookless(addnorm1) and _hookless(ffn) and _hookless(addnorm2)
-                and _hookless(w_o) and _hookless(dense2)):
+        if not _all_hookless((attention, addnorm1, ffn, addnorm2, a["W_q"], a["W_k"], a["W_v"], w_o, f["dense1"],
+                              dense2, n1["ln"], n1["dropout"], n2["ln"], n2["dropout"])):
+            return None
+        if not type(n1["dropout"]) is type(n2["dropout"]) is nn.Dropout:
             return None
         p = a["dropout"].p
         if not p == n1["dropout"].p == n2["dropout"].p:
@@ -479,12 +511,20 @@ class FastBERTEncoder(nn.Module):
             check_encoder_shapes(tokens, segments, valid_lens, max_len=pos.shape[1], device=pos.device,
                                  skip_padding=self.skip_padding)
         backend = backend_of(self.backend, tokens)
-        embed = dict(token_weight=self.token_embedding.weight,
-                     segment_weight=self.segment_embedding.weight,
-                     pos_weight=self.pos_embedding, learn_pos_embedding=self.learn_pos_embedding,
-                     backend=backend)
+        sub = self._modules
+        token_table, segment_table = sub["token_embedding"], sub["segment_embedding"]
+        if _parameters_read(token_table, nn.Embedding) and _parameters_read(segment_table, nn.Embedding):
+            called = None
+            embed = dict(token_weight=token_table.weight, segment_weight=segment_table.weight,
+                         pos_weight=self.pos_embedding, learn_pos_embedding=self.learn_pos_embedding,
+                         backend=backend)
+        else:       # a hook on a table, or a subclass: the reference's sum, calling them
+            if not self.check_inputs:     # the tables read any id they are given: checked here too
+                tokens = self.validate_inputs(tokens, segments, valid_lens)
+            pos = self.pos_embedding if self.learn_pos_embedding else self.pos_embedding.detach()
+            called = token_table(tokens) + segment_table(segments) + pos[:, :tokens.shape[1], :]
         if not (self.skip_padding and valid_lens is not None):
-            X = ops.embedding_sum(tokens, segments, **embed)
+            X = ops.embedding_sum(tokens, segments, **embed) if called is None else called
             # valid_lens in the form the attention reads, once for all the layers.
             key_mask = ops.prepare_key_mask(valid_lens, tokens.shape[1], backend, X.dtype)
             for blk in self.blks:
@@ -493,8 +533,11 @@ class FastBERTEncoder(nn.Module):
         if valid_lens.dim() != 1:
             raise ValueError("skip_padding=True needs 1-D valid_lens of shape (batch,)")
         unpadding = ops.unpadding_for(valid_lens, tokens.shape[1], num_tokens)
-        X = ops.embedding_sum(ops.unpad(tokens, unpadding), ops.unpad(segments, unpadding),
-                              positions=unpadding.indices % tokens.shape[1], **embed)
+        if called is None:
+            X = ops.embedding_sum(ops.unpad(tokens, unpadding), ops.unpad(segments, unpadding),
+                                  positions=unpadding.indices % tokens.shape[1], **embed)
+        else:
+            X = ops.unpad(called, unpadding)
         for blk in self.blks:
             X = blk(X, valid_lens, unpadding=unpadding)
         return ops.pad(X, unpadding)

@@ -158,3 +158,39 @@ def test_optimize_is_idempotent():
     enc = model.encoder
     bert_fast.optimize(model)
     assert model.encoder is enc
+
+
+def test_hooks_of_the_replaced_modules_carry_over():
+    """optimize() replaces the encoder, its blocks, their attention, AddNorms and FFN by fast
+    modules taking the same arguments: their hooks move with them (the same dicts: the handles
+    still remove them), and hooks on the modules adopted (Linears, LayerNorms, dropouts) stay.
+    A hook on a module with no fast counterpart (the attention weights' DotProductAttention)
+    leaves the block as it is, with a warning."""
+    model = bert_model()
+    args = inputs()
+    with torch.no_grad():
+        plain = model(*args)[0]
+    calls = []
+    handles = [model.encoder.get_submodule(where).register_forward_hook(
+        lambda module, a, output: calls.append(where) or output * 1.25 + 0.1)
+        for where in ("", "blks.0", "blks.0.attention", "blks.1.ffn", "blks.0.addnorm2", "blks.1.addnorm1.dropout",
+                      "blks.1.attention.W_q")]
+    with torch.no_grad():
+        expected = model(*args)[0]
+        hooks_run = len(calls)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            bert_fast.optimize(model)
+        assert isinstance(model.encoder, FastBERTEncoder)
+        calls.clear()
+        assert_close(model(*args)[0], expected, 1e-4, what="output with the hooks carried over")
+        assert len(calls) == hooks_run == 7
+        for handle in handles:
+            handle.remove()
+        assert_close(model(*args)[0], plain, 1e-4, what="output once the hooks are removed")
+
+    model = bert_model()
+    model.encoder.blks[1].attention.attention.register_forward_hook(lambda *a: None)
+    with pytest.warns(UserWarning, match="a hook on attention.attention, a module the fast block does not have"):
+        bert_fast.optimize(model)
+    assert not isinstance(model.encoder, FastBERTEncoder)

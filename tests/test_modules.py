@@ -492,3 +492,73 @@ def test_jit_traced_encoder_keeps_the_value_check(backend):
         tokens[0, 0] = 50
         with pytest.raises(RuntimeError, match=r"token ids must be in \[0, 50\)"):
             traced(tokens, segments, valid_lens)
+
+
+# Modules the fast path reads the Parameters of (unless they must be called) and modules it calls.
+HOOKED_MODULES = ["token_embedding", "segment_embedding", "blks.0.attention.W_q", "blks.0.attention.W_k",
+                  "blks.1.attention.W_v", "blks.0.attention.W_o", "blks.1.ffn.dense1", "blks.0.ffn.dense2",
+                  "blks.0.addnorm1.ln", "blks.1.addnorm2.dropout", "blks.0.attention", "blks.1.ffn", "blks.0"]
+
+
+def _shift(module, args, output):
+    return output * 1.5 + 0.25
+
+
+@pytest.mark.parametrize("skip_padding", [False, True], ids=["exact", "skip_padding"])
+@pytest.mark.parametrize("backend", available_backends())
+@pytest.mark.parametrize("where", HOOKED_MODULES)
+def test_hooks_run_as_in_the_reference(where, backend, skip_padding):
+    """The fast modules read most submodules' Parameters instead of calling them (one packed QKV
+    GEMM, the fused add-norm, the bias+activation GEMM, the embedding sum): a hook on one of them
+    makes the module call it, so it runs and changes values and gradients as in the reference.
+    (Under skip_padding a hook on a block sees the packed valid tokens: this one works per token.)"""
+    ref, fast = encoder_pair(encoder_config(num_layers=2), backend=backend, skip_padding=skip_padding)
+    ref.train(), fast.train()       # dropout 0: gradients comparable
+    tokens, segments = random_inputs(B, L, 50)
+    valid_lens = torch.tensor([5.0, 13.0, 1.0])
+    calls = []
+    for model in (ref, fast):
+        model.get_submodule(where).register_forward_hook(lambda *args: calls.append(1) or _shift(*args))
+    outputs = []
+    for model in (ref, fast):
+        out = model(tokens, segments, valid_lens)
+        out.square().sum().backward()
+        outputs.append(out)
+    assert len(calls) == 2, f"the hook on {where} ran {len(calls) - 1} times in the fast encoder, not once"
+    valid = (torch.arange(L)[None, :] < valid_lens[:, None])[..., None]
+    assert_close(outputs[1] * valid, outputs[0] * valid, 1e-4, what=f"output, a hook on {where}")
+    if not skip_padding:
+        for (name, p), q in zip(ref.named_parameters(), fast.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            if p.grad is not None:
+                assert_close(q.grad, p.grad, 1e-3, rtol=1e-4, what=f"grad {name}, a hook on {where}")
+
+
+class _LoRALinear(torch.nn.Linear):
+    """An nn.Linear subclass with a forward of its own, as adapter libraries make."""
+
+    def forward(self, x):
+        return super().forward(x) + 0.5 * x[..., :self.out_features].flip(-1)
+
+
+class _ScaledNorm(torch.nn.LayerNorm):
+    def forward(self, x):
+        return 0.5 * super().forward(x)
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_linear_and_layernorm_subclasses_are_called(backend):
+    """Subclasses with a forward of their own (put in after construction, or adopted by
+    optimize()) are called, not read as a plain Linear / LayerNorm."""
+    ref, fast = encoder_pair(encoder_config(num_layers=1), backend=backend)
+    for model in (ref, fast):
+        attention = model.blks[0].attention
+        lora = _LoRALinear(attention.W_v.in_features, attention.W_v.out_features)
+        lora.load_state_dict(attention.W_v.state_dict())
+        attention.W_v = lora
+        model.blks[0].addnorm2.ln = _ScaledNorm(model.blks[0].addnorm2.ln.normalized_shape)
+    tokens, segments = random_inputs(B, L, 50)
+    valid_lens = torch.tensor([5, 13, 0])
+    with torch.no_grad():
+        assert_close(fast(tokens, segments, valid_lens), ref(tokens, segments, valid_lens), 1e-4,
+                     what="output with a LoRA-style W_v and a LayerNorm subclass")
