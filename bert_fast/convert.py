@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .backend import resolve_backend
-from .modules import FastBERTEncoder, FastEncoderBlock, _hookless
+from .modules import FastBERTEncoder, FastEncoderBlock, _hook_dicts
 
 
 class _Unsupported(ValueError):
@@ -96,12 +96,18 @@ def _carried_and_adopted(blk):
 
 def _require_no_dropped_hooks(blk):
     """A hook on a module of ``blk`` that the fast block has no counterpart of (the attention's
-    DotProductAttention, whose weights the fast attention never materialises; the FFN's ReLU)
-    would be lost: such a block is left as it is."""
+    DotProductAttention, whose weights the fast attention never materialises; the FFN's ReLU),
+    or a forward set on a module the fast block replaces (accelerate's hooks do that), would be
+    lost: such a block is left as it is."""
     carried, adopted = _carried_and_adopted(blk)
-    kept = {id(m) for m in carried} | {id(m) for module in adopted for m in module.modules()}
+    carried = {id(m) for m in carried}
+    adopted = {id(m) for module in adopted for m in module.modules()}
     for name, module in blk.named_modules():
-        if id(module) not in kept and not _hookless(module):
+        if id(module) in adopted:
+            continue
+        if "forward" in module.__dict__:
+            raise _Unsupported(f"a forward set on the instance {name or 'block'}")
+        if id(module) not in carried and any(_hook_dicts(module)):
             raise _Unsupported(f"a hook on {name}, a module the fast block does not have")
 
 
@@ -152,6 +158,7 @@ def _convert_block(blk, backend):
 
 def _convert_encoder(enc, backend, skip_padding, cuda_graphs):
     _require(type(enc).__name__ == "BERTEncoder", f"class name {type(enc).__name__!r}")
+    _require("forward" not in enc.__dict__, "a forward set on the encoder instance")
     _require(isinstance(enc.token_embedding, nn.Embedding) and isinstance(enc.segment_embedding, nn.Embedding),
              "token/segment embeddings that are not nn.Embedding")
     _require(enc.segment_embedding.num_embeddings == 2, "segment table without exactly 2 rows")

@@ -62,22 +62,24 @@ activations other than GELU/ReLU, subclasses of the HF classes, ...) are left un
 warning by optimize().
 """
 
+import operator
 import warnings
-from itertools import chain
+from itertools import chain, repeat
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
-from transformers.models.bert.modeling_bert import BertEmbeddings, BertLayer, BertModel
+from transformers.models.bert.modeling_bert import BertAttention, BertEmbeddings, BertIntermediate, BertLayer, \
+    BertModel, BertOutput, BertSelfOutput
 
 from . import ops
 from .backend import backend_of, graph_backend_for, resolve_backend
 from .cuda_graph import _Bucket, _Calls, _is_ids, _sliced, bucket_batch, bucket_seqlen, bucket_tokens, \
     clear_cuda_graphs, graphed
 from .ops._triton import values_on_host
-from .modules import _ACTIVATION_FUNCTIONS, _GLOBAL_HOOKS, _hookless, _linear, _pack_back_to_back_, \
-    _QKVPacking, fused_layer
+from .modules import _ACTIVATION_FUNCTIONS, _GLOBAL_HOOKS, _hook_dicts, _linear, _pack_back_to_back_, \
+    _parameters_read, _QKVPacking, fused_layer
 from .ops.embedding_layernorm import embedding_layernorm
 
 
@@ -150,6 +152,13 @@ def _check_layer(layer, index, hidden, swapped):
     _require(not getattr(layer, "add_cross_attention", False) and not getattr(layer, "is_decoder", False),
              f"{where}: decoder / cross-attention layer")
     _require(not getattr(layer.attention, "is_cross_attention", False), f"{where}: cross-attention")
+    # The fast layer computes what these HF modules' forwards compute: a subclass with a forward
+    # of its own (an adapter) is not that. (FSDP2's subclasses keep the forward.)
+    for name, cls in (("attention", BertAttention), ("attention.output", BertSelfOutput),
+                      ("intermediate", BertIntermediate), ("output", BertOutput)):
+        module = layer.get_submodule(name)
+        _require(type(module).forward is cls.forward, f"{where}.{name} of class {type(module).__name__} "
+                 f"(its own forward; only {cls.__name__}'s is fused)")
     attn = layer.attention.self
     _require(type(attn).__name__ == "BertSelfAttention", f"{where}.attention.self of class {type(attn).__name__}")
     _require(getattr(attn, "position_embedding_type", "absolute") == "absolute",
@@ -195,59 +204,69 @@ def check_supported(model, swapped=False):
 # What the fast path must see again on every call: hooks, and submodules replaced since optimize()
 # ----------------------------------------------------------------------------------------------
 
-# transformers installs forward hooks of its own, for good, on the first call that asks for
-# hidden states or attentions (transformers.utils.output_capturing); they record only inside HF's
-# forward, which such calls run (FusedAttentionMask's layers are never asked for them).
-_OUTPUT_CAPTURE = "transformers.utils.output_capturing"
+def _is_output_capture(hook):
+    """transformers installs forward hooks of its own, for good, on the first call that asks for
+    hidden states or attentions (``output_capturing_hook``, in transformers.utils.output_capturing
+    since 5.x, in .generic before); they record only inside HF's forward, which such calls run."""
+    return (getattr(hook, "__qualname__", "").endswith("output_capturing_hook")
+            and getattr(hook, "__module__", "").startswith("transformers."))
 
 
 def _has_user_hooks(module):
     """Whether ``module`` has a hook (forward, pre-forward, backward) other than transformers'
-    output-capturing ones."""
-    return any(getattr(hook, "__module__", None) != _OUTPUT_CAPTURE
-               for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks,
-                             module._backward_hooks)
-               for hook in hooks.values())
+    output-capturing ones, or a forward set on the instance (accelerate's hooks do that)."""
+    return "forward" in module.__dict__ or not all(
+        map(_is_output_capture, chain.from_iterable(hooks.values() for hooks in _hook_dicts(module))))
 
 
 class _Submodules:
-    """A FastBertModel's embeddings and encoder as the fast path last checked them.
+    """A FastBertModel's modules as the fast path last checked them.
 
-    The fast path calls few of those modules (the embeddings and their dropout, the layers, the
-    pooler): it reads the others' Parameters. So each call re-reads, in ~20 us for 12 layers
-    (the modules' own dicts, no walk of the tree), whether a module was put in or taken out
-    anywhere since the last check (then check_supported runs again: what it refuses, such as a
-    LayerNorm replaced by another norm or a different attention module, runs HF's forward), and
-    whether a module inside the encoder other than the layers themselves has a hook (HF's
-    forward then, so the hook runs and sees what it would see in HF; hooks on the layers run on
-    the fast path, and FSDP2 puts its own there). The embeddings' tables and LayerNorm are
-    FastBertEmbeddings' to check: a hook there runs HF's embeddings, the layers stay fused."""
+    The fast path calls few of them (the embeddings and their dropout, the layers, the pooler)
+    and reads the others' Parameters. So each call re-reads (~20 us for 12 layers on the CPU
+    VM: lists of the modules' children and classes and their hook dicts, no walk of the tree)
+    whether a module was put in, taken out or given another class anywhere since the last check
+    (then check_supported runs again: what it refuses, such as another norm, attention module or
+    an adapter's forward, runs HF's forward), and whether a module inside the encoder other than
+    the layers has a hook, or one of them a forward set on the instance (HF's forward then, so
+    it runs and sees what it would see in HF; hooks on the layers run on the fast path, and
+    FSDP2 puts its own there). The embeddings' tables and LayerNorm are FastBertEmbeddings' to
+    check: a hook there runs HF's embeddings, the layers stay fused."""
 
-    __slots__ = ("child_dicts", "children", "hook_dicts", "hooked", "unsupported", "hook_keys", "hook_reason")
+    __slots__ = ("child_dicts", "children", "classes", "encoder_modules", "instance_dicts", "hooked", "hook_dicts",
+                 "hook_keys", "hook_reason", "unsupported")
 
     def __init__(self, model):
         # Only the modules with children: one put under a leaf changes nothing the fast path reads.
-        modules = [*model.embeddings.modules(), *model.encoder.modules()]
-        self.child_dicts = [m._modules for m in modules if m._modules]
-        self.children = self.current_children()
+        self.child_dicts = [m._modules for m in (model, *model.embeddings.modules(), *model.encoder.modules())
+                            if m._modules]
+        self.children, self.classes = self.current()
+        self.encoder_modules = list(model.encoder.named_modules(prefix="encoder"))
+        self.instance_dicts = [m.__dict__ for _, m in self.encoder_modules]
         layers = set(map(id, model.encoder.layer))
-        self.hooked = [(name, m) for name, m in model.encoder.named_modules(prefix="encoder") if id(m) not in layers]
-        self.hook_dicts = [d for _, m in self.hooked for d in (m._forward_pre_hooks, m._forward_hooks,
-                                                             m._backward_pre_hooks, m._backward_hooks)]
+        self.hooked = [(name, m) for name, m in self.encoder_modules if id(m) not in layers]
+        self.hook_dicts = [d for _, m in self.hooked for d in _hook_dicts(m)]
         self.hook_keys, self.hook_reason = [], None
         try:
             check_supported(model, swapped=True)
             self.unsupported = None
-        except Unsupported as e:
-            self.unsupported = str(e)
+        except (Unsupported, AttributeError, TypeError) as why:     # (a module without what HF's has)
+            self.unsupported = str(why)
 
-    def current_children(self):
-        return list(chain.from_iterable(map(dict.values, self.child_dicts)))
+    def current(self):
+        children = list(chain.from_iterable(map(dict.values, self.child_dicts)))
+        return children, list(map(type, children))
+
+    def changed(self):
+        children, classes = self.current()
+        return children != self.children or classes != self.classes
 
     def fallback_reason(self):
         """Why HF's forward must run (as the last check found the modules), or None."""
         if self.unsupported is not None:
-            return f"a submodule replaced since optimize(): {self.unsupported}"
+            return f"a submodule changed since optimize(): {self.unsupported}"
+        if any(map(operator.contains, self.instance_dicts, repeat("forward"))):
+            return next(f"a forward set on {name}" for name, m in self.encoder_modules if "forward" in m.__dict__)
         if not any(self.hook_dicts):
             return None
         # Hooks somewhere (transformers' own stay for good): looked at again when one is added or
@@ -267,7 +286,7 @@ def _submodules_reason(model):
     Dynamo does with hooks itself (added after the compilation, they are not seen; guarding
     ~800 hook dicts made every compiled call of BERT-base ~0.3 ms slower)."""
     known = model.__dict__.get("_bert_fast_submodules")
-    if known is None or known.current_children() != known.children:
+    if known is None or known.changed():
         known = _Submodules(model)
         model.__dict__["_bert_fast_submodules"] = known
     return known.fallback_reason()
@@ -276,12 +295,6 @@ def _submodules_reason(model):
 # ----------------------------------------------------------------------------------------------
 # The fast modules: subclasses of HF's, given to the existing objects by optimize()
 # ----------------------------------------------------------------------------------------------
-
-def _read_in_place(module, cls):
-    """Whether the fast path may read ``module``'s Parameters rather than call it: it is a
-    ``cls`` itself, with no hook of the user's."""
-    return type(module) is cls and (_hookless(module) or not _has_user_hooks(module))
-
 
 class FastBertEmbeddings(BertEmbeddings):
     """BertEmbeddings through ops.embedding_layernorm (the HF math; a nonzero cache length,
@@ -298,9 +311,8 @@ class FastBertEmbeddings(BertEmbeddings):
         # The three tables and the LayerNorm are read, not called: HF's forward for what that
         # would change (another class put there since optimize(), a hook, a global module hook).
         if (input_ids is None or inputs_embeds is not None or any(args) or any(kwargs.values())
-                or not (_read_in_place(word, nn.Embedding) and _read_in_place(positions, nn.Embedding)
-                        and _read_in_place(types, nn.Embedding) and _read_in_place(ln, nn.LayerNorm))
-                or any(_GLOBAL_HOOKS)):
+                or not (_parameters_read(word, nn.Embedding) and _parameters_read(positions, nn.Embedding)
+                        and _parameters_read(types, nn.Embedding) and _parameters_read(ln, nn.LayerNorm))):
             return super().forward(input_ids, token_type_ids, position_ids, inputs_embeds, *args, **kwargs)
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
@@ -592,6 +604,12 @@ class FastBertModel(BertModel):
         order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices
         return valid_lens, order
 
+    def __getstate__(self):
+        # A pickled model (torch.save of the whole module, deepcopy) is checked anew when loaded.
+        state = super().__getstate__()
+        state.pop("_bert_fast_submodules", None)
+        return state
+
     def save_pretrained(self, *args, **kwargs):
         # HF writes the class name into config.architectures: save as the BertModel it is.
         self.__class__ = BertModel
@@ -682,11 +700,19 @@ def convert(model, backend=None, skip_padding=False, cuda_graphs=False):
         layer.bert_fast_backend = backend
         layer.pack_qkv_()
     model.__class__ = FastBertModel
+    _forget_checks(model)
     _register_output_capture(model)
     model.bert_fast_backend = backend
     model.bert_fast_skip_padding = bool(skip_padding)
     model.bert_fast_cuda_graphs = bool(cuda_graphs)
     return model
+
+
+def _forget_checks(model):
+    """Drop what FastBertModel remembers of its checks (its modules, the fallbacks it warned
+    about): a model optimized again is checked, and warns, anew."""
+    model.__dict__.pop("_bert_fast_submodules", None)
+    model.__dict__.pop("_bert_fast_warned", None)
 
 
 def _register_output_capture(model):
@@ -707,6 +733,7 @@ def restore(model):
     clear_cuda_graphs(model)
     for module in model.modules():
         if type(module) is FastBertModel:
+            _forget_checks(module)
             module.__class__ = BertModel
         elif type(module) is FastBertEmbeddings:
             module.__class__ = BertEmbeddings

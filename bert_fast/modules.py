@@ -34,24 +34,28 @@ _GLOBAL_HOOKS = tuple(getattr(_nn_module, name, {}) for name in (
 # (what ``self.ln.weight`` returns), not through nn.Module.__getattr__: ~0.5 us a lookup,
 # ~10 lookups a layer, a tenth of the host time of a small forward (`--suite host`).
 
-def _hookless(module):
-    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks)
+def _hook_dicts(module):
+    """The dicts nn.Module.__call__ reads a module's hooks from."""
+    return module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks, module._backward_hooks
 
 
-def _all_hookless(modules):
+def _all_plain(modules):
+    """Whether none of ``modules`` has a hook or a forward set on the instance (accelerate's
+    hooks do that): what lets a forward compute them instead of calling them. Attribute reads,
+    no generator: this runs for every layer and call."""
     for module in modules:
-        if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks:
+        if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+                or "forward" in module.__dict__):
             return False
     return True
 
 
 def _parameters_read(module, cls):
     """Whether a forward may read ``module``'s Parameters instead of calling it: it is a ``cls``
-    itself (not a subclass with its own forward, such as a LoRA layer), with no hook, and no
-    global module hook is set. Else the module is called, so what it does, and its hooks,
+    itself (not a subclass with its own forward, such as a LoRA layer), plain (_all_plain), and
+    no global module hook is set. Else the module is called, so what it does, and its hooks,
     happen as in the reference."""
-    return type(module) is cls and _hookless(module) and not any(_GLOBAL_HOOKS)
+    return type(module) is cls and _all_plain((module,)) and not any(_GLOBAL_HOOKS)
 
 
 def _linear(module, x):
@@ -140,10 +144,10 @@ class FastMultiHeadAttention(nn.Module):
 
     def _qkv(self, X):
         """The packed (..., 3H) projection of X: one GEMM, or, where W_q, W_k or W_v must be
-        called (a hook, a subclass: _parameters_read), the three modules' outputs."""
+        called (as _parameters_read says), the three modules' outputs."""
         sub = self._modules
         w_q, w_k, w_v = sub["W_q"], sub["W_k"], sub["W_v"]
-        if _parameters_read(w_q, nn.Linear) and _hookless(w_k) and _hookless(w_v) and type(w_k) is type(w_v) is nn.Linear:
+        if type(w_q) is type(w_k) is type(w_v) is nn.Linear and _all_plain((w_q, w_k, w_v)) and not any(_GLOBAL_HOOKS):
             return F.linear(X, *self._packed_qkv())
         return torch.cat([w_q(X), w_k(X), w_v(X)], dim=-1)
 
@@ -271,7 +275,7 @@ class FastAddNorm(AddNorm):
     def forward(self, X, Y):
         sub = self._modules
         ln, dropout = sub["ln"], sub["dropout"]
-        if not (_parameters_read(ln, nn.LayerNorm) and type(dropout) is nn.Dropout and _hookless(dropout)):
+        if not (_parameters_read(ln, nn.LayerNorm) and type(dropout) is nn.Dropout and _all_plain((dropout,))):
             return ln(dropout(Y) + X)        # the reference's forward, calling the modules
         return ops.add_layernorm(Y, X, ln._parameters["weight"], ln._parameters["bias"], ln.eps,
                                  dropout.p, self.training, backend=backend_of(self.backend, X))
@@ -351,8 +355,9 @@ class FastEncoderBlock(nn.Module):
         records, else the launchers alone) where it applies: eager, triton/cuda backends, the
         block's own plain submodules; else None.
 
-        A hook on the block's submodules (but the attention's dropout, whose weights are never
-        materialised) takes the per-op path, which calls the hooked module. Runs once per layer
+        A hook (or a forward set on the instance) on the block's submodules, but the attention's
+        dropout whose weights are never materialised, takes the per-op path, which calls the
+        module. Runs once per layer
         and call: written for host time (no generators; ~0.4 us a Python call on the CI machine)."""
         if torch.compiler.is_compiling() or X.dim() != (3 if unpadding is None else 2):
             return None
@@ -367,8 +372,8 @@ class FastEncoderBlock(nn.Module):
             return None
         a, f, n1, n2 = attention._modules, ffn._modules, addnorm1._modules, addnorm2._modules
         w_o, dense2 = a["W_o"], f["dense2"]
-        if not _all_hookless((attention, addnorm1, ffn, addnorm2, a["W_q"], a["W_k"], a["W_v"], w_o, f["dense1"],
-                              dense2, n1["ln"], n1["dropout"], n2["ln"], n2["dropout"])):
+        if not _all_plain((attention, addnorm1, ffn, addnorm2, a["W_q"], a["W_k"], a["W_v"], w_o, f["dense1"],
+                           dense2, n1["ln"], n1["dropout"], n2["ln"], n2["dropout"])):
             return None
         if not type(n1["dropout"]) is type(n2["dropout"]) is nn.Dropout:
             return None
@@ -387,7 +392,7 @@ def fused_layer(X, key_mask, backend, num_heads, dropout_p, activation, linears,
     ``key_mask``: a KeyMask or None for X (B, L, H); skip_padding's ops.Unpadding for X (N, H).
 
     ``linears``: W_q, W_k, W_v, W_o, dense1, dense2, which must be plain nn.Linear (read by
-    their Parameters: the caller checks the hooks its per-op path honours); ``norms``: the two
+    their Parameters: the caller has checked their hooks); ``norms``: the two
     nn.LayerNorm. ``packing_holder``: the module whose ``_qkv_packing`` (pack_qkv_) says where
     the QKV weights lie back to back, read in place. Under autocast for X's device the layer
     makes autocast's casts (LayerSpec.amp_dtype); autocast for another device only, or fp64
@@ -519,8 +524,6 @@ class FastBERTEncoder(nn.Module):
                          pos_weight=self.pos_embedding, learn_pos_embedding=self.learn_pos_embedding,
                          backend=backend)
         else:       # a hook on a table, or a subclass: the reference's sum, calling them
-            if not self.check_inputs:     # the tables read any id they are given: checked here too
-                tokens = self.validate_inputs(tokens, segments, valid_lens)
             pos = self.pos_embedding if self.learn_pos_embedding else self.pos_embedding.detach()
             called = token_table(tokens) + segment_table(segments) + pos[:, :tokens.shape[1], :]
         if not (self.skip_padding and valid_lens is not None):

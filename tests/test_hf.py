@@ -16,6 +16,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel  # noqa: E402
+from transformers.models.bert.modeling_bert import BertOutput  # noqa: E402
 
 import bert_fast  # noqa: E402
 from bert_fast.backend import available_backends  # noqa: E402
@@ -504,12 +505,62 @@ def test_modules_replaced_after_optimize_are_checked_again(monkeypatch, where, m
         assert_close(fast(ids, mask, types).last_hidden_state, ref(ids, mask, types).last_hidden_state, ATOL,
                      what=f"output with {where} replaced")
     fallbacks = [str(w.message) for w in caught if issubclass(w.category, hf.HFFallbackWarning)]
-    assert (len(fallbacks) == 1 and "replaced since optimize()" in fallbacks[0]) if whole_model else not fallbacks
+    assert (len(fallbacks) == 1 and "changed since optimize()" in fallbacks[0]) if whole_model else not fallbacks
     assert bool(calls) != whole_model
     setattr(fast.get_submodule(parent), name, original)
     calls.clear()
     fast(ids, mask, types)
     assert len(calls) == fast.config.num_hidden_layers
+
+
+class _AdapterOutput(BertOutput):
+    """An HF container subclass with a forward of its own, as adapter libraries make."""
+
+    def forward(self, hidden_states, input_tensor):
+        return super().forward(hidden_states * 1.5, input_tensor)
+
+
+def _replace_encoder(model):
+    model.encoder = copy.deepcopy(model.encoder)
+    model.encoder.layer[1].attention.self.key.register_forward_hook(_shift_output)
+
+
+def _swap_class(model):
+    model.encoder.layer[0].output.LayerNorm.__class__ = _HalfNorm
+
+
+def _adapter(model):
+    old = model.encoder.layer[1].output
+    model.encoder.layer[1].output = adapter = _AdapterOutput(model.config).eval()
+    adapter.load_state_dict(old.state_dict())
+
+
+def _instance_forward(model):
+    dense = model.encoder.layer[0].intermediate.dense
+    plain = dense.forward
+    dense.forward = lambda x: plain(x) * 1.5        # what accelerate's add_hook_to_module does
+
+
+@pytest.mark.parametrize("change", [_replace_encoder, _swap_class, _adapter, _instance_forward])
+def test_changes_after_the_first_call_are_seen(monkeypatch, change):
+    """What the fast path checks on every call, changed between two calls: the encoder
+    replaced (with a hook inside), a LayerNorm's class swapped in place, an adapter subclass of
+    an HF container, a forward set on an instance. HF's forward runs, with a warning, and gives
+    HF's values; after restore(), optimize() refuses the model or its calls warn anew."""
+    ref, fast = hf_pair(config())
+    ids, types = inputs(2, 7)
+    mask = make_mask("holes", 2, 7)
+    with torch.no_grad():
+        fast(ids, mask, types)
+        for model in (ref, fast):
+            change(model)
+        with pytest.warns(hf.HFFallbackWarning):
+            got = fast(ids, mask, types).last_hidden_state
+        assert_close(got, ref(ids, mask, types).last_hidden_state, ATOL, what=f"output after {change.__name__}")
+        hf.restore(fast)
+        with pytest.warns(UserWarning, match="left untouched|runs HF's own forward"):    # by optimize() or the call
+            bert_fast.optimize(fast)
+            fast(ids, mask, types)
 
 
 def test_config_output_flags_and_broadcast_position_ids():

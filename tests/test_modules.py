@@ -562,3 +562,18 @@ def test_linear_and_layernorm_subclasses_are_called(backend):
     with torch.no_grad():
         assert_close(fast(tokens, segments, valid_lens), ref(tokens, segments, valid_lens), 1e-4,
                      what="output with a LoRA-style W_v and a LayerNorm subclass")
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_a_forward_set_on_an_instance_is_called(backend):
+    """accelerate's hooks replace a module's forward on the instance: such a module is called."""
+    ref, fast = encoder_pair(encoder_config(num_layers=1), backend=backend)
+    for model in (ref, fast):
+        for where in ("blks.0.ffn.dense1", "blks.0.attention.W_k", "blks.0.addnorm2.ln", "segment_embedding"):
+            module = model.get_submodule(where)
+            module.forward = (lambda plain: lambda x: plain(x) * 1.5)(module.forward)
+    tokens, segments = random_inputs(B, L, 50)
+    valid_lens = torch.tensor([5, 13, 0])
+    with torch.no_grad():
+        assert_close(fast(tokens, segments, valid_lens), ref(tokens, segments, valid_lens), 1e-4,
+                     what="output with forwards set on instances")
