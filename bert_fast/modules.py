@@ -55,7 +55,9 @@ def _parameters_read(module, cls):
     itself (not a subclass with its own forward, such as a LoRA layer), plain (_all_plain), and
     no global module hook is set. Else the module is called, so what it does, and its hooks,
     happen as in the reference."""
-    return type(module) is cls and _all_plain((module,)) and not any(_GLOBAL_HOOKS)
+    return (type(module) is cls and not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                                         or module._backward_pre_hooks or "forward" in module.__dict__)
+            and not any(_GLOBAL_HOOKS))
 
 
 def _linear(module, x):
@@ -275,7 +277,8 @@ class FastAddNorm(AddNorm):
     def forward(self, X, Y):
         sub = self._modules
         ln, dropout = sub["ln"], sub["dropout"]
-        if not (_parameters_read(ln, nn.LayerNorm) and type(dropout) is nn.Dropout and _all_plain((dropout,))):
+        if not (type(ln) is nn.LayerNorm and type(dropout) is nn.Dropout and _all_plain((ln, dropout))
+                and not any(_GLOBAL_HOOKS)):      # (_parameters_read for both, in one call)
             return ln(dropout(Y) + X)        # the reference's forward, calling the modules
         return ops.add_layernorm(Y, X, ln._parameters["weight"], ln._parameters["bias"], ln.eps,
                                  dropout.p, self.training, backend=backend_of(self.backend, X))
