@@ -223,7 +223,7 @@ class _Submodules:
     """A FastBertModel's modules as the fast path last checked them.
 
     The fast path calls few of them (the embeddings and their dropout, the layers, the pooler)
-    and reads the others' Parameters. So each call re-reads (~20 us for 12 layers on the CPU
+    and reads the others' Parameters. So each call re-reads (~25 us for 12 layers on the CPU
     VM: lists of the modules' children and classes and their hook dicts, no walk of the tree)
     whether a module was put in, taken out or given another class anywhere since the last check
     (then check_supported runs again: what it refuses, such as another norm, attention module or
