@@ -64,6 +64,7 @@ warning by optimize().
 
 import operator
 import warnings
+import weakref
 from itertools import chain, repeat
 
 import torch
@@ -214,9 +215,8 @@ def _is_output_capture(hook):
 
 def _has_user_hooks(module):
     """Whether ``module`` has a hook (forward, pre-forward, backward) other than transformers'
-    output-capturing ones, or a forward set on the instance (accelerate's hooks do that)."""
-    return "forward" in module.__dict__ or not all(
-        map(_is_output_capture, chain.from_iterable(hooks.values() for hooks in _hook_dicts(module))))
+    output-capturing ones."""
+    return not all(map(_is_output_capture, chain.from_iterable(hooks.values() for hooks in _hook_dicts(module))))
 
 
 class _Submodules:
@@ -279,17 +279,29 @@ class _Submodules:
         return self.hook_reason
 
 
-@torch.compiler.assume_constant_result
 def _submodules_reason(model):
-    """_Submodules' fallback reason for ``model``, checked again where a module was replaced
-    since the last call. torch.compile takes the answer its trace gets as a constant: what
-    Dynamo does with hooks itself (added after the compilation, they are not seen; guarding
-    ~800 hook dicts made every compiled call of BERT-base ~0.3 ms slower)."""
+    """_Submodules' fallback reason for ``model``, checked again where a module changed since
+    the last call."""
     known = model.__dict__.get("_bert_fast_submodules")
     if known is None or known.changed():
         known = _Submodules(model)
         model.__dict__["_bert_fast_submodules"] = known
     return known.fallback_reason()
+
+
+# The FastBertModels (by id) whose check a torch.compile trace may make: optimize(), unpickling
+# (deepcopy too) and every eager call register them.
+_MODELS = weakref.WeakValueDictionary()
+
+
+@torch.compiler.assume_constant_result
+def _traced_submodules_reason(model_id):
+    """_submodules_reason while torch.compile traces: the answer the trace gets is a constant
+    (what Dynamo does with hooks itself: added after the compilation, they are not seen), so
+    nothing guards the ~800 hook dicts (that made every compiled call of BERT-base ~0.3 ms
+    slower). By id: torch 2.11's assume_constant_result takes constants, not modules."""
+    model = _MODELS.get(model_id)
+    return None if model is None else _submodules_reason(model)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -507,6 +519,9 @@ class FastBertModel(BertModel):
             return "embeddings or layers replaced since optimize()"
         if any(_GLOBAL_HOOKS):
             return "global module hooks (the fast path calls few of the modules)"
+        if torch.compiler.is_compiling():
+            return _traced_submodules_reason(id(self))
+        _MODELS[id(self)] = self
         return _submodules_reason(self)
 
     def _warn_fallback(self, reason):
@@ -610,6 +625,10 @@ class FastBertModel(BertModel):
         state.pop("_bert_fast_submodules", None)
         return state
 
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        _MODELS[id(self)] = self
+
     def save_pretrained(self, *args, **kwargs):
         # HF writes the class name into config.architectures: save as the BertModel it is.
         self.__class__ = BertModel
@@ -701,6 +720,7 @@ def convert(model, backend=None, skip_padding=False, cuda_graphs=False):
         layer.pack_qkv_()
     model.__class__ = FastBertModel
     _forget_checks(model)
+    _MODELS[id(model)] = model
     _register_output_capture(model)
     model.bert_fast_backend = backend
     model.bert_fast_skip_padding = bool(skip_padding)

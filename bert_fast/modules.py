@@ -52,9 +52,9 @@ def _all_plain(modules):
 
 def _parameters_read(module, cls):
     """Whether a forward may read ``module``'s Parameters instead of calling it: it is a ``cls``
-    itself (not a subclass with its own forward, such as a LoRA layer), plain (_all_plain), and
-    no global module hook is set. Else the module is called, so what it does, and its hooks,
-    happen as in the reference."""
+    itself (not a subclass with its own forward, such as a LoRA layer), plain (_all_plain's test,
+    inlined: this runs several times a layer), and no global module hook is set. Else the module
+    is called, so what it does, and its hooks, happen as in the reference."""
     return (type(module) is cls and not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                                          or module._backward_pre_hooks or "forward" in module.__dict__)
             and not any(_GLOBAL_HOOKS))

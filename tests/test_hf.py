@@ -445,6 +445,19 @@ def test_hooks_run_where_hf_runs_them(monkeypatch, where, backend):
     assert len(calls) == fast.config.num_hidden_layers, "the fast path after the hook's removal"
 
 
+def test_a_hook_present_when_compiled_runs():
+    """torch.compile traces the check (its answer a constant of the graph): a hook registered
+    before the compilation runs in the compiled model, through HF's forward."""
+    ref, fast = hf_pair(config())
+    ids, types = inputs(2, 6)
+    for model in (ref, fast):
+        model.encoder.layer[0].attention.self.query.register_forward_hook(_shift_output)
+    compiled = torch.compile(copy.deepcopy(fast), backend="eager")     # a copy: registered by unpickling
+    with torch.no_grad(), pytest.warns(hf.HFFallbackWarning, match="a hook on encoder.layer.0.attention.self.query"):
+        assert_close(compiled(ids, token_type_ids=types).last_hidden_state,
+                     ref(ids, token_type_ids=types).last_hidden_state, ATOL, what="compiled, with the hook")
+
+
 def test_backward_and_global_hooks_take_hf(monkeypatch):
     ref, fast = hf_pair(config())
     ids, types = inputs(2, 6)
