@@ -513,10 +513,6 @@ class FastBertModel(BertModel):
             return f"a {attention_mask.dim()}-D attention_mask (only 2-D key padding masks are fused)"
         if self.training and any(getattr(layer, "gradient_checkpointing", False) for layer in self.encoder.layer):
             return "gradient checkpointing"
-        # isinstance: FSDP2's fully_shard gives each module it wraps a subclass of its class.
-        if not (isinstance(self.embeddings, FastBertEmbeddings)
-                and all(isinstance(layer, FastBertLayer) for layer in self.encoder.layer)):
-            return "embeddings or layers replaced since optimize()"
         if any(_GLOBAL_HOOKS):
             return "global module hooks (the fast path calls few of the modules)"
         if torch.compiler.is_compiling():
