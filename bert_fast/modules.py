@@ -360,8 +360,8 @@ class FastEncoderBlock(nn.Module):
 
         A hook (or a forward set on the instance) on the block's submodules, but the attention's
         dropout whose weights are never materialised, takes the per-op path, which calls the
-        module. Runs once per layer
-        and call: written for host time (no generators; ~0.4 us a Python call on the CI machine)."""
+        module. Runs once per layer and call: written for host time (no generators; ~0.4 us a
+        Python call on the CI machine)."""
         if torch.compiler.is_compiling() or X.dim() != (3 if unpadding is None else 2):
             return None
         sub = self._modules
