@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from .backend import resolve_backend
-from .modules import FastBERTEncoder, FastEncoderBlock, _hook_dicts
+from .cuda_graph import clear_cuda_graphs
+from .modules import FastAddNorm, FastBERTEncoder, FastEncoderBlock, FastMultiHeadAttention, FastPositionWiseFFN, _hook_dicts
 
 
 class _Unsupported(ValueError):
@@ -188,6 +189,21 @@ def _convert_encoder(enc, backend, skip_padding, cuda_graphs):
     return fast
 
 
+def _reconfigure(fast, backend, skip_padding, cuda_graphs):
+    """Give a fast encoder or block that is in the model already (built directly, or by an
+    earlier optimize()) this call's options, as a swapped one gets them (and as a Hugging Face
+    model optimized again does): the last optimize() says how it runs. Graphs captured under
+    other options are dropped (they would only hold memory until evicted)."""
+    for sub in fast.modules():
+        if isinstance(sub, (FastMultiHeadAttention, FastAddNorm, FastPositionWiseFFN)):
+            sub.backend = backend
+    if isinstance(fast, FastBERTEncoder):
+        options = (backend, bool(skip_padding), bool(cuda_graphs))
+        if (fast.backend, bool(fast.skip_padding), bool(fast.cuda_graphs)) != options:
+            clear_cuda_graphs(fast)
+        fast.backend, fast.skip_padding, fast.cuda_graphs = options
+
+
 def _hf_bert(module):
     """bert_fast.hf when ``module`` is a transformers BertModel (or a subclass), else None.
     Imports nothing unless transformers is loaded already (a BertModel cannot exist otherwise)."""
@@ -220,9 +236,12 @@ def _swap(module, backend, encoder_options, path, done=None):
     hf = _hf_bert(module)
     if hf is not None:              # converted in place (bert_fast.hf), children included
         return _convert_hf(hf, module, backend, encoder_options, path)
+    if isinstance(module, (FastBERTEncoder, FastEncoderBlock)):
+        _reconfigure(module, backend, *encoder_options)
+        return module
     for converter, looks_like, kind in ((_convert_encoder, _looks_like_encoder, "BERTEncoder"),
                                         (_convert_block, _looks_like_block, "EncoderBlock")):
-        if isinstance(module, (FastBERTEncoder, FastEncoderBlock)) or not looks_like(module):
+        if not looks_like(module):
             continue
         try:
             args = (backend, *encoder_options) if converter is _convert_encoder else (backend,)
@@ -246,6 +265,8 @@ def optimize(model, backend=None, *, skip_padding=False, cuda_graphs=False):
     (W_q, W_k and W_v of each block move into one buffer in place, see
     FastMultiHeadAttention.pack_qkv_; their values and the state_dict are unchanged).
     ``skip_padding`` and ``cuda_graphs`` apply to swapped encoders (see FastBERTEncoder).
+    Fast modules already in ``model`` (built directly or by an earlier optimize()) take this
+    call's ``backend``, ``skip_padding`` and ``cuda_graphs``: the last call says how they run.
     Returns the model, or the fast module if ``model`` itself was swapped.
     """
     if not isinstance(model, nn.Module):

@@ -708,6 +708,10 @@ def convert(model, backend=None, skip_padding=False, cuda_graphs=False):
     Raises Unsupported when it cannot run exactly (nothing is changed then)."""
     check_supported(model)
     backend = resolve_backend(backend)
+    options = (backend, bool(skip_padding), bool(cuda_graphs))
+    if type(model) is FastBertModel and options != (
+            model.bert_fast_backend, model.bert_fast_skip_padding, model.bert_fast_cuda_graphs):
+        clear_cuda_graphs(model)     # optimized again with other options: its graphs would only hold memory
     model.embeddings.__class__ = FastBertEmbeddings
     model.embeddings.bert_fast_backend = backend
     for layer in model.encoder.layer:
@@ -718,9 +722,7 @@ def convert(model, backend=None, skip_padding=False, cuda_graphs=False):
     _forget_checks(model)
     _MODELS[id(model)] = model
     _register_output_capture(model)
-    model.bert_fast_backend = backend
-    model.bert_fast_skip_padding = bool(skip_padding)
-    model.bert_fast_cuda_graphs = bool(cuda_graphs)
+    model.bert_fast_backend, model.bert_fast_skip_padding, model.bert_fast_cuda_graphs = options
     return model
 
 

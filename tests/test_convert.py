@@ -160,6 +160,38 @@ def test_optimize_is_idempotent():
     assert model.encoder is enc
 
 
+def test_optimize_again_applies_its_options_to_fast_modules(monkeypatch):
+    """Fast modules already in the model (an earlier optimize(), or built directly) take the
+    options of the last optimize() call, as a swapped encoder does; graphs captured under the
+    old options are dropped."""
+    import bert_fast.convert as convert
+    cleared = []
+    monkeypatch.setattr(convert, "clear_cuda_graphs", lambda module: cleared.append(module))
+    model = bert_model()
+    args = inputs()
+    expected = model(*args)
+    bert_fast.optimize(model, backend="triton")
+    enc = model.encoder
+
+    def backends():
+        return {m.backend for m in enc.modules() if hasattr(m, "backend")}
+
+    assert backends() == {"triton"} and not enc.skip_padding and not enc.cuda_graphs
+    bert_fast.optimize(model, backend="torch", skip_padding=True, cuda_graphs=True)
+    assert model.encoder is enc and backends() == {"torch"} and enc.skip_padding and enc.cuda_graphs
+    assert cleared == [enc]
+    bert_fast.optimize(model, backend="torch", skip_padding=True, cuda_graphs=True)
+    assert cleared == [enc]                 # same options: the graphs are kept
+    bert_fast.optimize(model, backend="torch")
+    assert not enc.skip_padding and not enc.cuda_graphs and cleared == [enc, enc]
+    for a, b in zip(model(*args), expected):
+        assert_close(a, b, atol=1e-4)
+    block = FastEncoderBlock(**{k: v for k, v in encoder_config().items()
+                                if k not in ("vocab_size", "num_layers", "max_len")}, use_bias=True)
+    assert bert_fast.optimize(nn.Sequential(block), backend="torch")[0] is block
+    assert {m.backend for m in block.modules() if hasattr(m, "backend")} == {"torch"}
+
+
 def test_hooks_of_the_replaced_modules_carry_over():
     """optimize() replaces the encoder, its blocks, their attention, AddNorms and FFN by fast
     modules taking the same arguments: their hooks move with them (the same dicts: the handles

@@ -294,6 +294,24 @@ def test_holder_module_and_restore_and_save(tmp_path):
     assert type(holder.auto_model) is BertModel and type(holder.auto_model.encoder.layer[0]).__name__ == "BertLayer"
 
 
+def test_optimize_again_applies_its_options(monkeypatch):
+    """The last optimize() says how the model runs (as for the book's fast modules); graphs
+    captured under other options are dropped."""
+    cleared = []
+    monkeypatch.setattr(hf, "clear_cuda_graphs", lambda module: cleared.append(module))
+    model, fast = hf_pair(config(), backend="triton")
+    bert_fast.optimize(fast, backend="torch", skip_padding=True, cuda_graphs=True)
+    assert {m.bert_fast_backend for m in fast.modules() if hasattr(m, "bert_fast_backend")} == {"torch"}
+    assert fast.bert_fast_skip_padding and fast.bert_fast_cuda_graphs and cleared == [fast]
+    bert_fast.optimize(fast, backend="torch", skip_padding=True, cuda_graphs=True)
+    assert cleared == [fast]
+    bert_fast.optimize(fast, backend="torch")
+    assert not fast.bert_fast_skip_padding and not fast.bert_fast_cuda_graphs and cleared == [fast, fast]
+    ids, types = inputs(2, 7)
+    assert_close(fast(ids, token_type_ids=types).last_hidden_state,
+                 model(ids, token_type_ids=types).last_hidden_state, atol=ATOL)
+
+
 def test_bad_inputs_raise_clear_errors():
     _, fast = hf_pair(config())
     ids, _ = inputs(2, 6)
