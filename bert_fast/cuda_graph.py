@@ -36,9 +36,12 @@ Buckets. B and L are rounded up (``bucket_batch``, ``bucket_seqlen``): L to a mu
 up to 128, then 4 buckets per octave (160, 192, 224, 256, 320, 384, 448, 512, 640, ...), never
 beyond the position table (``pos_embedding.shape[1]``); B to 1, 2, 4, 8, then 4 per octave
 (10, 12, 14, 16, 20, 24, 28, 32, 40, ...). Padding wastes under 25% of a dimension past the
-small sizes, where the shapes are host-bound and extra rows cost little GPU time, and a few
-dozen buckets cover every shape up to L 512 and B 256, so a workload with varying shapes
-reuses a handful of graphs. The extra rows and columns are masked and sliced off:
+small sizes, where the shapes are host-bound and extra rows cost little GPU time. A few dozen
+buckets per dimension cover every shape up to L 512 and B 256, but a graph is per (B_b, L_b)
+pair (and N_b under skip_padding): a workload whose shapes span more pairs than
+``max_cuda_graphs`` keeps evicting and capturing (one CudaGraphFallbackWarning says so once the
+evictions reach the limit); pad to few shapes or raise the limit. The extra rows and columns
+are masked and sliced off:
 None valid_lens become full-length 1-D lengths, 1-D and 2-D valid_lens are clamped to the real
 L (key j is visible iff float32(j) < valid_len, so padded keys stay invisible; NaN stays NaN;
 fp16/bf16 lengths are held in float32, exactly, as the attention compares them), extra batch
@@ -86,8 +89,9 @@ against the fp32 encoder at most twice the eager bf16 call's, plus 5e-2).
 Keys. A graph is looked up by everything the captured work depends on: the bucketed shapes
 (B_b, L_b, N_b), the valid_lens buffer's shape and dtype (None shares 1-D int64's graphs),
 the tokens' and segments' dtypes, the device, the encoder's dtype, resolved backend and
-skip_padding, and the global settings the kernels read (float32 matmul precision, reduced-
-precision reductions, SDPA backends). Parameters: a graph reads parameter memory, so in-place
+skip_padding, autocast for the device (enabled, dtype), and the global settings the kernels
+read (float32 matmul precision, reduced-precision reductions, SDPA backends). Warmup and
+capture run with autocast's cast cache off (as make_graphed_callables requires). Parameters: a graph reads parameter memory, so in-place
 updates (``load_state_dict``, optimizer steps, ``p.mul_()``) are seen by later replays, while
 parameters replaced by other tensors (``.to()``, ``.cuda()``, ``load_state_dict(assign=True)``,
 ``module.weight = nn.Parameter(...)``, ``p.data = ...``, ``pack_qkv_()`` moving them, a
@@ -108,7 +112,10 @@ is released at the next call, or by ``clear_cuda_graphs``; a call on CPU inputs,
 ``.cpu()``, drops the snapshot.) Any difference drops every graph of the encoder. Not followed: attributes changed by hand on submodules
 (activation, eps, num_heads, hooks added after capture), and writes into a module's
 ``_modules``/``_parameters``/``_buffers`` dicts that keep their lengths: call
-``clear_cuda_graphs(encoder)`` after those.
+``clear_cuda_graphs(encoder)`` after those. (A tensor written into ``_parameters``/
+``_buffers``, as torch.func.functional_call and accelerate do, is seen: the address check reads
+through those dicts.) Hooks on the encoder run at every call; hooks on its submodules (blocks,
+layers, Linears) run in the warmups and the capture only: a replay runs no Python.
 
 Memory and cost. The first call of a bucket runs 3 eager warmup forwards on a side stream
 (Triton autotuning for new shapes happens there), then captures (``torch.cuda.graph`` first
@@ -144,9 +151,10 @@ alternating runs of each on a noisy VM: 0.031-0.033x the reference's eager forwa
 0.038-0.042x before (exact), 0.035-0.038x against 0.043-0.054x (skip_padding).
 
 One caller at a time per encoder: calls share the encoder's static buffers and its graphs'
-pool, so two threads must not call the same encoder at once (give each thread its own);
-graphs are captured in "thread_local" error mode, so other threads' CUDA work does not break a
-capture.
+pool, so a lock per encoder serialises them (threads calling one encoder wait for each other:
+give each thread its own encoder for concurrency). One capture at a time in the process (a
+lock): captures share each device's capture stream. Graphs are captured in "thread_local"
+error mode, so other threads' CUDA work does not break a capture.
 
 Manual: ``capture_encoder`` takes the steps a capture needs (warmup, static input buffers, the
 input check kept out of the graph) for one fixed shape and returns a callable::
@@ -225,6 +233,12 @@ WARMUP_ITERS = 3
 # pool were captured on the same stream (torch.cuda.graph asks for that), and a capture on
 # cuda:1 never runs on a stream of cuda:0. Created on first use, never at import.
 _capture_streams = {}
+
+
+# One capture at a time in the process (taken around _warmup_and_capture): captures share each
+# device's capture stream, and work another thread queued there (its warmup) would be recorded
+# into the graph being captured. Reentrant: a warmup may capture a nested module's graph.
+_capture_lock = threading.RLock()
 
 
 def _capture_stream(device):
@@ -310,8 +324,12 @@ def _warmup_and_capture(run, device, pool, warmup_iters, capture_error_mode="glo
     again, after a failed capture has been ended for the allocator (end_failed_capture). Our
     own stream context encloses torch.cuda.graph's: when capture_end raises, graph's __exit__
     never restores the caller's stream, this context still does.
+
+    Autocast's cast cache is off meanwhile (as make_graphed_callables asks): a cast cached in
+    the warmup would be read by the graph from memory freed when the autocast region ends, and
+    one cached in the capture would live in the pool, where later captures reuse memory.
     """
-    with torch.cuda.device(device), capturing_graph():
+    with _autocast_cache_off(), torch.cuda.device(device), capturing_graph():
         stream = _capture_stream(device)
         current = torch.cuda.current_stream(device)
         stream.wait_stream(current)
@@ -330,6 +348,16 @@ def _warmup_and_capture(run, device, pool, warmup_iters, capture_error_mode="glo
         finally:
             current.wait_stream(stream)
     return graph, output
+
+
+@contextlib.contextmanager
+def _autocast_cache_off():
+    enabled = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(enabled)
 
 
 def _require_one_cuda_device(encoder, inputs):
@@ -418,7 +446,7 @@ def capture_encoder(encoder, tokens, segments, valid_lens=None, *, warmup_iters=
                                   for t in inputs)
     # cuda_graphs off too: an encoder made with cuda_graphs=True must run its eager forward here,
     # not capture graphs of its own during the warmup.
-    with _attributes_set(encoder, check_inputs=False, cuda_graphs=False), torch.inference_mode():
+    with _attributes_set(encoder, check_inputs=False, cuda_graphs=False), torch.inference_mode(), _capture_lock:
         graph, static_output = _warmup_and_capture(
             lambda: encoder(*static_inputs), device,
             pool if pool is not None else torch.cuda.graph_pool_handle(), warmup_iters)
@@ -498,8 +526,8 @@ def _check_matches_captured(name, given, static):
 # ---------------------------------------------------------------------------------------------
 
 class CudaGraphFallbackWarning(UserWarning):
-    """A cuda_graphs=True encoder ran its eager forward instead of a CUDA graph (given once per
-    encoder and reason)."""
+    """A cuda_graphs=True encoder ran its eager forward instead of a CUDA graph, or keeps
+    dropping graphs to stay within max_cuda_graphs (given once per encoder and reason)."""
 
 
 def _next_power_of_two(n):
@@ -651,7 +679,10 @@ class _ModuleSnapshot:
         self.storages = [t.untyped_storage() for _, _, t, _ in self.tensors if t is not None]
         self.params = tuple(encoder.parameters())
         self.submodules = tuple(child for _, _, child in self.children)
-        self.addressed = tuple((t, address) for _, _, t, address in self.tensors if t is not None)
+        # Read through the tables: a write into a module's _parameters/_buffers dict
+        # (torch.func.functional_call, accelerate's set_module_tensor_to_device) fires no
+        # registration hook, and the tensor it replaced keeps its address.
+        self.addressed = tuple((table, name, address) for table, name, t, address in self.tensors if t is not None)
 
     def check(self):
         """None if unchanged, "training" if a submodule is in training mode, else "changed"."""
@@ -669,8 +700,9 @@ class _ModuleSnapshot:
         for child in self.submodules:
             if child.training:
                 return "training"
-        for t, address in self.addressed:
-            if t.data_ptr() != address:
+        for table, name, address in self.addressed:
+            t = table.get(name)
+            if t is None or t.data_ptr() != address:
                 return "changed"
         return None
 
@@ -778,6 +810,8 @@ class _EncoderGraphs:
         self.stream = None
         self.pinned_reads = {}        # device -> _steps.read_later's pinned buffer and event
         self.stats = collections.Counter()
+        # One call at a time: calls share the static buffers and the pool (a second thread waits).
+        self.lock = threading.RLock()
 
     def slot(self, bucket, ids_dtype, segments_dtype, device):
         """The _InputSlot of a bucket's padded shape, made on first use (zeros)."""
@@ -860,11 +894,14 @@ def _caller_stacklevel():
 def _fall_back(encoder, state, reason, **details):
     """Count an eager call for ``reason``; warn the first time for this encoder."""
     state.stats[f"eager_{reason}"] += 1
+    _warn_once(encoder, state, reason, "runs its eager forward: " + _FALLBACK_MESSAGES[reason].format(**details))
+
+
+def _warn_once(encoder, state, reason, message):
     if reason not in state.warned:
         state.warned.add(reason)
-        message = _FALLBACK_MESSAGES[reason].format(**details)
-        warnings.warn(f"{type(encoder).__name__}(cuda_graphs=True) runs its eager forward: {message}",
-                      CudaGraphFallbackWarning, stacklevel=_caller_stacklevel())
+        warnings.warn(f"{type(encoder).__name__}(cuda_graphs=True) {message}", CudaGraphFallbackWarning,
+                      stacklevel=_caller_stacklevel())
 
 
 def _eager(calls, state, reason, inputs, **details):
@@ -890,6 +927,12 @@ def _global_settings():
     return (torch.get_float32_matmul_precision(), cuda.matmul.allow_fp16_reduced_precision_reduction,
             cuda.matmul.allow_bf16_reduced_precision_reduction, cuda.flash_sdp_enabled(),
             cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled(), cuda.cudnn_sdp_enabled())
+
+
+def _autocast_settings(device):
+    """Autocast for the inputs' device, which the forward follows (a graph replays the casts it
+    captured): part of every key."""
+    return torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
 
 
 def _lengths_dtype(valid_lens):
@@ -1100,12 +1143,22 @@ def _max_graphs(encoder):
     return limit
 
 
-def _capture(calls, state, key, slot, limit, num_tokens):
-    """Capture ``key``'s graph on ``slot``'s buffers (evicting the least recently used down to
-    ``limit`` - 1) and keep it; returns the entry. Raises what warmup or capture raised; nothing
-    is kept then."""
+def _make_room(calls, state):
+    """Evict the least recently used graphs down to max_cuda_graphs - 1, before a capture."""
+    limit = _max_graphs(calls.module)
     while len(state.graphs) >= limit:
         state.evict_least_recent()
+        if state.stats["evictions"] >= limit:
+            _warn_once(calls.module, state, "evictions", (
+                f"has dropped {state.stats['evictions']} graphs to keep max_cuda_graphs={limit}: its calls' "
+                f"shapes span more buckets than it keeps, so calls keep capturing (each capture costs about "
+                f"four eager forwards). Raise the module's max_cuda_graphs (graphs share one memory pool; "
+                f"each keeps its output and input buffers), pad inputs to fewer shapes, or turn cuda_graphs off"))
+
+
+def _capture(calls, state, key, slot, num_tokens):
+    """Capture ``key``'s graph on ``slot``'s buffers and keep it; returns the entry. Raises what
+    warmup or capture raised; nothing is kept then."""
     entry = _BucketGraph(slot)
     static = slot.buffers
     extra = {} if num_tokens is None else {"num_tokens": num_tokens}
@@ -1119,7 +1172,7 @@ def _capture(calls, state, key, slot, limit, num_tokens):
         state.pool = _steps.new_pool(device)
     state.stats["captures"] += 1
     try:
-        with torch.inference_mode():
+        with _capture_lock, torch.inference_mode():
             entry.graph, entry.output = _steps.capture(run, device, state.pool)
     except BaseException:
         # Later captures into a failed capture's pool can fail too (see end_failed_capture):
@@ -1142,8 +1195,15 @@ def graphed(calls, inputs):
     again, checking first; bad ids (staged clamped) raise."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or not calls.understood(inputs):
         return calls.eager(inputs)
+    if not calls.graphable(inputs):
+        return calls.eager(inputs)      # it raises what is wrong (e.g. inputs on another device)
+    state = _state_of(calls.module)
+    with state.lock:
+        return _graphed(calls, state, inputs)
+
+
+def _graphed(calls, state, inputs):
     module = calls.module
-    state = _state_of(module)
     ids, segments, _ = inputs
     device = ids.device
     if not _steps.supports(device):
@@ -1174,12 +1234,10 @@ def graphed(calls, inputs):
             return _eager(calls, state, "training", inputs)
     if torch.is_grad_enabled() and any(p.requires_grad for p in snapshot.params):
         return _eager(calls, state, "autograd", inputs)
-    if not calls.graphable(inputs):
-        return calls.eager(inputs)
 
     calls.validate(inputs)
     segments_dtype = (ids if segments is None else segments).dtype
-    settings = calls.settings(device) + _global_settings()
+    settings = calls.settings(device) + _global_settings() + _autocast_settings(device)
     with torch.no_grad():      # a float valid_lens that requires grad must not reach the buffers' autograd
         # The buffers are written on the caller's stream, after the last replay's reads of them.
         state.stream = _steps.order_after(state.stream, device)
@@ -1191,15 +1249,15 @@ def graphed(calls, inputs):
             # Capture (or run eagerly) on a checked tree and checked values.
             if not checked and snapshot.check() is not None:
                 state.check_first = True
-                return graphed(calls, inputs)
+                return _graphed(calls, state, inputs)
             calls.check_pending(pending, inputs)
             if key in state.failed:
                 state.stats["eager_capture"] += 1
                 state.prune_slots()
                 return _eager_checked(calls, inputs)
-            limit = _max_graphs(module)
+            _make_room(calls, state)
             try:
-                entry = _capture(calls, state, key, slot, limit, bucket.num_tokens)
+                entry = _capture(calls, state, key, slot, bucket.num_tokens)
                 error = None
             except Exception as caught:
                 error = caught
@@ -1220,7 +1278,7 @@ def graphed(calls, inputs):
         if not checked and snapshot.check() is not None:
             _steps.wait(device)          # the replay read the tensors the check found replaced
             state.check_first = True
-            return graphed(calls, inputs)
+            return _graphed(calls, state, inputs)
         calls.check_pending(pending, inputs)
         state.stats["replays"] += 1
         return calls.result(entry.output, *ids.shape)

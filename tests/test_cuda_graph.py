@@ -18,6 +18,8 @@ skip_padding, fp32 (floor) and bf16 (STYLE.md's rule against the fp32 encoder).
 """
 
 import copy
+import threading
+import time
 import warnings
 
 import pytest
@@ -32,7 +34,7 @@ from bert_fast import reference as R
 from bert_fast.backend import resolve_backend
 from bert_fast.cuda_graph import (CudaGraphFallbackWarning, GraphedEncoder, bucket_batch, bucket_seqlen,
                                   bucket_tokens, capture_encoder, clear_cuda_graphs, cuda_graph_stats)
-from tests.helpers import (BF16_OK, FLOOR, StubSteps, assert_close, assert_within_rule, encoder_config, max_err,
+from tests.helpers import (BF16_OK, FLOOR, StubGraph, StubSteps, assert_close, assert_within_rule, encoder_config, max_err,
                            needs_cuda, random_inputs)
 from tests.isolated import call_in_child
 
@@ -705,6 +707,15 @@ def test_settings_are_part_of_the_key(stub):
     encoder.backend = "triton"
     graphed(encoder, tokens, segments)
     assert stub.attempts == 4
+    encoder.backend = "auto"
+    graphed(encoder, tokens, segments)                  # the first call's graph
+    with torch.autocast("cpu", dtype=torch.bfloat16):   # a graph replays the casts it captured
+        graphed(encoder, tokens, segments)
+        graphed(encoder, tokens, segments)
+    with torch.autocast("cpu", dtype=torch.float16):
+        graphed(encoder, tokens, segments)
+    graphed(encoder, tokens, segments)
+    assert stub.attempts == 6
 
 
 def replace_weight(encoder):
@@ -743,6 +754,11 @@ def insert_block(encoder):        # ModuleList.insert writes its _modules direct
     encoder.blks.insert(0, copy.deepcopy(encoder.blks[1]))
 
 
+def write_parameter_dict(encoder):  # what torch.func.functional_call does: no registration hook
+    dense1 = encoder.blks[0].ffn.dense1
+    dense1._parameters["weight"] = nn.Parameter(dense1.weight.detach() * 0.5)
+
+
 def repack(encoder):
     attention = encoder.blks[0].attention
     attention.W_k.weight = nn.Parameter(attention.W_k.weight.detach().clone())   # unpacked
@@ -750,7 +766,8 @@ def repack(encoder):
 
 
 @pytest.mark.parametrize("change", [replace_weight, load_assign, swap_data, move_dtype, replace_submodule,
-                                    append_block, pop_block, insert_block, repack], ids=lambda f: f.__name__)
+                                    append_block, pop_block, insert_block, write_parameter_dict, repack],
+                         ids=lambda f: f.__name__)
 def test_replaced_parameters_invalidate(stub, change):
     encoder = auto_encoder()
     tokens, segments = random_inputs(B, L, VOCAB)
@@ -770,6 +787,22 @@ def test_replaced_parameters_invalidate(stub, change):
     # capture, and the made-again call's), was waited for, and the call made again, checking first.
     assert stub.replays == 4 and stub.waits == 1
     assert len(stats["buckets"]) == 1, "the other bucket's graph was not dropped"
+
+
+def test_functional_call_is_followed(stub):
+    """torch.func.functional_call swaps tensors into the modules' dicts for one call: that call
+    replays nothing captured with the module's own weights, and the next plain call nothing
+    captured with the temporary ones."""
+    encoder = auto_encoder()
+    tokens, segments = random_inputs(B, L, VOCAB)
+    own = eager_forward(encoder, tokens, segments)
+    graphed(encoder, tokens, segments)
+    halved = {name: p.detach() * 0.5 for name, p in encoder.named_parameters()}
+    with torch.no_grad():
+        expected = torch.func.functional_call(encoder, halved, (tokens, segments), {"valid_lens": None})
+        assert_eager_result(torch.func.functional_call(encoder, halved, (tokens, segments)), expected)
+    assert_eager_result(graphed(encoder, tokens, segments), own, "after functional_call")
+    assert cuda_graph_stats(encoder)["invalidations"] == 2
 
 
 def test_snapshot_keeps_replaced_memory_alive(stub):
@@ -850,14 +883,33 @@ def test_lru_eviction(stub):
     assert held_lengths(encoder) == [48, 64, 80, 96, 112, 128, 160, 192]
 
     encoder.max_cuda_graphs = 2
-    call_bucket(encoder, 16)                          # captured again; evicts down to 2
-    assert held_lengths(encoder) == [192, 16]
-    call_bucket(encoder, 192)                         # a hit: most recently used now
-    assert held_lengths(encoder) == [16, 192]
-    call_bucket(encoder, 32)                          # evicts 16, the least recently used
-    assert held_lengths(encoder) == [192, 32]
+    with pytest.warns(CudaGraphFallbackWarning) as record:
+        call_bucket(encoder, 16)                      # captured again; evicts down to 2
+        assert held_lengths(encoder) == [192, 16]
+        call_bucket(encoder, 192)                     # a hit: most recently used now
+        assert held_lengths(encoder) == [16, 192]
+        call_bucket(encoder, 32)                      # evicts 16, the least recently used
+        assert held_lengths(encoder) == [192, 32]
     stats = cuda_graph_stats(encoder)
     assert stats["captures"] == 12 and stats["evictions"] == 10 and stub.attempts == 12
+    # Evictions past the limit: shapes span more buckets than kept, which one warning says.
+    (message,) = fallback_warnings(record)
+    assert "has dropped 3 graphs to keep max_cuda_graphs=2" in message and "keep capturing" in message
+
+
+def test_no_eviction_warning_below_the_limit(stub):
+    encoder = auto_encoder()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for seqlen in (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 16, 32, 48, 64, 80):   # 7 evictions
+            call_bucket(encoder, seqlen)
+    assert cuda_graph_stats(encoder)["evictions"] == 7
+    with pytest.warns(CudaGraphFallbackWarning, match="has dropped 8 graphs to keep max_cuda_graphs=8"):
+        call_bucket(encoder, 96)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")        # once per encoder
+        call_bucket(encoder, 112)
+    assert cuda_graph_stats(encoder)["evictions"] == 9 and "eager_capture" not in cuda_graph_stats(encoder)
 
 
 @pytest.mark.parametrize("limit", [0, -1, 1.5, True, "8"])
@@ -966,6 +1018,88 @@ def test_cpu_inputs_run_eagerly_with_one_warning():
     assert record[0].filename == __file__, "the warning should point at the caller"
     assert torch.equal(out, eager_forward(encoder, tokens, segments, valid_lens))
     assert cuda_graph_stats(encoder)["eager_device"] == 2
+
+
+class CpuOnlySteps(StubSteps):
+    def supports(self, device):
+        return device.type == "cpu"
+
+
+def test_inputs_on_another_device_raise_and_keep_the_graphs(monkeypatch):
+    """Inputs on another device than the module's get the eager forward's error, and leave the
+    graphs and counters as they were (meta stands for the other device)."""
+    steps = CpuOnlySteps()
+    monkeypatch.setattr(cuda_graph, "_steps", steps)
+    encoder = auto_encoder()
+    for seqlen in (16, 32):
+        call_bucket(encoder, seqlen)
+    tokens, segments = random_inputs(1, 16, VOCAB)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="tokens is on meta but the model's parameters are on cpu"):
+            graphed(encoder, tokens.to("meta"), segments.to("meta"))
+        call_bucket(encoder, 16)
+    stats = cuda_graph_stats(encoder)
+    assert steps.attempts == 2 and len(stats["buckets"]) == 2 and "invalidations" not in stats
+    assert not any(name.startswith("eager_") for name in stats)
+
+
+class SlowStubSteps(StubSteps):
+    """Captures and replays that take long enough for another thread to come in meanwhile."""
+
+    def __init__(self):
+        super().__init__()
+        self.captures = []         # (start, end) of each capture
+
+    def capture(self, run, device, pool):
+        start = time.perf_counter()
+        time.sleep(0.05)
+        result = super().capture(run, device, pool)
+        self.captures.append((start, time.perf_counter()))
+        return result
+
+
+def test_threads_calling_one_encoder_get_their_own_results(monkeypatch):
+    """Calls share the static buffers: a lock per encoder serialises them (else a thread reads
+    another's replay)."""
+    monkeypatch.setattr(cuda_graph, "_steps", SlowStubSteps())
+    replay = StubGraph.replay
+
+    def slow_replay(graph):
+        time.sleep(0.002)
+        replay(graph)
+
+    monkeypatch.setattr(StubGraph, "replay", slow_replay)
+    encoder = auto_encoder(check_inputs=False)
+    inputs = [random_inputs(2, 16, VOCAB) for _ in range(2)]
+    expected = [eager_forward(encoder, *x) for x in inputs]
+    graphed(encoder, *inputs[0])
+    wrong = [0, 0]
+
+    def serve(i):
+        for _ in range(10):
+            wrong[i] += max_err(graphed(encoder, *inputs[i]), expected[i]) > FLOOR[torch.float32]
+
+    threads = [threading.Thread(target=serve, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == [0, 0]
+
+
+def test_one_capture_at_a_time_in_the_process(monkeypatch):
+    """Captures share each device's capture stream: two threads' encoders capture in turn."""
+    steps = SlowStubSteps()
+    monkeypatch.setattr(cuda_graph, "_steps", steps)
+    encoders = [auto_encoder(), auto_encoder()]
+    threads = [threading.Thread(target=call_bucket, args=(encoder, 32)) for encoder in encoders]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    (start0, end0), (start1, end1) = sorted(steps.captures)
+    assert end0 <= start1
 
 
 def test_failed_capture_runs_eagerly_and_is_not_retried(stub):
