@@ -167,10 +167,14 @@ class FastMultiHeadAttention(nn.Module):
         tensors, tensor subclasses (FSDP's DTensors) and Parameters of different dtype, device
         or width are left as they are (the concatenation stays). Returns self.
         """
-        for name in ("weight", "bias"):
-            params = [getattr(p, name) for p in (self.W_q, self.W_k, self.W_v)]
-            _pack_back_to_back_(params)
-        self._qkv_packing = _QKVPacking.of(self._qkv_params())
+        projections = [self._modules[name] for name in ("W_q", "W_k", "W_v")]
+        # Pruning, weight_norm or a parametrization takes "weight" (or "bias") out of the
+        # Linear's Parameters (the forward then calls the modules): nothing of theirs to pack.
+        plain = [all(type(m) is nn.Linear and name in m._parameters for m in projections) for name in ("weight", "bias")]
+        for name, packable in zip(("weight", "bias"), plain):
+            if packable:
+                _pack_back_to_back_([m._parameters[name] for m in projections])
+        self._qkv_packing = _QKVPacking.of(self._qkv_params()) if all(plain) else None
         return self
 
     def forward(self, queries, keys, values, valid_lens=None, *, unpadding=None):

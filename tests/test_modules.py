@@ -406,21 +406,34 @@ def test_output_can_be_edited_in_place_as_the_reference_allows(backend, skip_pad
 
 
 @pytest.mark.parametrize("backend", available_backends())
-def test_double_backward_runs_on_torch_and_says_it_is_unsupported_elsewhere(backend):
-    """A gradient penalty (create_graph=True, then backward again): the torch path supports
-    it; the fused kernels have no second derivative and must say so, never drop the terms."""
-    _, fast = encoder_pair(encoder_config(num_layers=1), backend=backend)
+@pytest.mark.parametrize("how", ["backward", "grad", "grad_allow_unused"])
+def test_double_backward_runs_on_torch_and_says_it_is_unsupported_elsewhere(backend, how):
+    """A gradient penalty through the whole encoder (create_graph=True, then differentiated
+    again): the torch path gives the reference's with the forward under SDPA's math kernel; the
+    fused kernels have no second derivative and must say so, also to autograd.grad (which
+    returned None, or zeros with materialize_grads, where the error node was not tied to the
+    weights), never drop the terms."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    ref, fast = encoder_pair(encoder_config(num_layers=1), backend=backend)
     tokens, segments = random_inputs(B, L, 50)
-    out = fast(tokens, segments, torch.tensor([4, 13, 9]))
-    weight = fast.blks[0].ffn.dense1.weight
-    grad, = torch.autograd.grad((out ** 2).sum(), weight, create_graph=True)
-    penalty = grad.pow(2).sum()
+
+    def penalty_grad(encoder):
+        with sdpa_kernel(SDPBackend.MATH):
+            out = encoder(tokens, segments, torch.tensor([4, 13, 9]))
+        weight = torch.sin(torch.arange(out.numel(), dtype=out.dtype)).view_as(out)
+        grad, = torch.autograd.grad((out * weight).sum(), encoder.token_embedding.weight, create_graph=True)
+        penalty = grad.pow(2).sum()
+        target = encoder.blks[0].ffn.dense1.weight
+        if how == "backward":
+            penalty.backward()
+            return target.grad
+        return torch.autograd.grad(penalty, target, allow_unused=how == "grad_allow_unused")[0]
+
     if backend in ("torch", "auto"):        # auto: torch for these CPU inputs
-        penalty.backward()
-        assert weight.grad is not None and weight.grad.abs().sum() > 0
+        assert_close(penalty_grad(fast), penalty_grad(ref), atol=1e-3, rtol=1e-4, what="second derivative")
         return
     with pytest.raises(NotImplementedError, match=r"double backward .* not supported .* backend='torch'"):
-        penalty.backward()
+        penalty_grad(fast)
 
 
 @pytest.mark.parametrize("tracer", ["jit.trace", "make_fx"])
@@ -577,3 +590,68 @@ def test_a_forward_set_on_an_instance_is_called(backend):
     with torch.no_grad():
         assert_close(fast(tokens, segments, valid_lens), ref(tokens, segments, valid_lens), 1e-4,
                      what="output with forwards set on instances")
+
+
+@pytest.mark.parametrize("backend", available_backends())
+@pytest.mark.parametrize("which", ["W_q", "W_k", "W_v"])
+def test_weights_changed_in_place_before_the_backward(backend, which):
+    """A weight changed in place between forward and backward (an optimizer step or an EMA
+    update before the backward of a kept graph): autograd raises, as for the reference, or the
+    gradient is the one of the forward's weights; never one of the new weights. The fused layer
+    reads W_q/W_k/W_v through one packed view, which shares W_q's version counter only."""
+    torch.manual_seed(0)
+    config = encoder_config(dropout=0.0)
+    encoder = FastBERTEncoder(**config, backend=backend).train()
+    tokens, segments = random_inputs(B, L, config["vocab_size"])
+    out = encoder(tokens, segments, torch.tensor([4.0, 13.0, 7.0]))
+    weight = torch.sin(torch.arange(out.numel(), dtype=out.dtype)).view_as(out)
+    table = encoder.token_embedding.weight
+    expected = torch.autograd.grad((out * weight).sum(), table, retain_graph=True)[0]
+    with torch.no_grad():
+        getattr(encoder.blks[1].attention, which).weight.mul_(2.0)
+    try:
+        grad = torch.autograd.grad((out * weight).sum(), table)[0]
+    except RuntimeError as error:
+        assert "modified by an inplace operation" in str(error)
+    else:
+        assert_close(grad, expected, FLOOR[torch.float32], what=f"gradient after {which} changed in place")
+
+
+def _prune_w_q(attention):
+    import torch.nn.utils.prune  # noqa: F401  (not imported by torch.nn.utils)
+    torch.nn.utils.prune.random_unstructured(attention.W_q, "weight", amount=0.5)
+
+
+def _prune_w_k_bias(attention):
+    import torch.nn.utils.prune  # noqa: F401
+    torch.nn.utils.prune.l1_unstructured(attention.W_k, "bias", amount=0.5)
+
+
+def _parametrize_w_k(attention):
+    class Half(torch.nn.Module):
+        def forward(self, weight):
+            return weight * 0.5
+
+    torch.nn.utils.parametrize.register_parametrization(attention.W_k, "weight", Half())
+
+
+def _weight_norm_w_v(attention):
+    torch.nn.utils.parametrizations.weight_norm(attention.W_v)
+
+
+@pytest.mark.parametrize("backend", available_backends())
+@pytest.mark.parametrize("reparametrize", [_prune_w_q, _prune_w_k_bias, _parametrize_w_k, _weight_norm_w_v],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_pruned_and_parametrized_projections(backend, reparametrize):
+    """Pruning, a parametrization or weight_norm on W_q/W_k/W_v takes the tensor out of the
+    Linear's Parameters: the fast module calls the Linear (values and gradients as the
+    reference's) and .double(), .to() and load_state_dict, which pack the QKV Parameters, leave
+    it alone (they raised KeyError: 'weight')."""
+    ref, fast = encoder_pair(encoder_config(num_layers=2), backend=backend)
+    for encoder in (ref, fast):
+        torch.manual_seed(0)
+        reparametrize(encoder.blks[0].attention)
+        encoder.double()
+    fast.load_state_dict(ref.state_dict())
+    compare_forward_backward(ref, fast, *random_inputs(B, L, 50), torch.tensor([4.0, 13.0, 7.0], dtype=torch.float64),
+                             atol=1e-10)

@@ -129,7 +129,8 @@ _BelowAutograd = torch._C._AutoDispatchBelowAutograd
 
 def _double_backward_message(what, op_name):
     return (f"double backward (create_graph=True, e.g. a gradient penalty) through {what} is not "
-            f"supported by bert_fast's fused kernels ({op_name}); backend='torch' supports it")
+            f"supported by bert_fast's fused kernels ({op_name}); backend='torch' supports it with the forward "
+            f"under torch.nn.attention.sdpa_kernel(SDPBackend.MATH)")
 
 
 def forbid_double_backward(op_name, what):
@@ -148,12 +149,15 @@ def forbid_double_backward(op_name, what):
 
 
 class _NoSecondDerivative(torch.autograd.Function):
-    """Passes gradients through; differentiating them again raises the clear error."""
+    """Passes the first ``count`` tensors (gradients) through; differentiating them again raises
+    the clear error. The other inputs (what the gradients were computed from) only connect the
+    node to the graph, so that autograd.grad of a function of the gradients with respect to
+    those (the Parameters, the inputs) reaches it and raises, instead of returning None."""
 
     @staticmethod
-    def forward(ctx, message, *grads):
+    def forward(ctx, message, count, *tensors):
         ctx.message = message
-        return grads
+        return tensors[:count]
 
     @staticmethod
     def backward(ctx, *_):
@@ -176,10 +180,11 @@ def once_differentiable(what, op_name):
                 return backward(ctx, *grad_outputs)
             with torch.no_grad():
                 grads = backward(ctx, *grad_outputs)
-            tensors = [g for g in grads if isinstance(g, torch.Tensor)]
+            tensors = [g.detach().requires_grad_() for g in grads if isinstance(g, torch.Tensor)]
             if not tensors:
                 return grads
-            attached = iter(thin_apply(_NoSecondDerivative, message, *(g.detach().requires_grad_() for g in tensors)))
+            sources = [t for t in (*grad_outputs, *ctx.saved_tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
+            attached = iter(thin_apply(_NoSecondDerivative, message, len(tensors), *tensors, *sources))
             return tuple(next(attached) if isinstance(g, torch.Tensor) else g for g in grads)
         return wrapper
     return decorate

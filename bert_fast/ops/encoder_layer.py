@@ -318,9 +318,12 @@ def _layer_forward(spec, key_mask, packed, x, params, ctx=None):
     # made inside a Function could not be edited in place, which the reference's output can).
     out, mean2, rstd2 = ln_fwd(f.view(x.shape), y, ln2_w, ln2_b, spec.eps2, seeds[2], p)
     if ctx is not None:
-        # Without autocast x_norm and x_gemm are x, and rows is y's 2-D view.
+        # Without autocast x_norm and x_gemm are x, and rows is y's 2-D view. The packed QKV
+        # view shares W_q's version counter only: W_k and W_v are saved too, so that autograd
+        # raises, as for the reference, when they are changed in place before the backward.
+        versioned = (w_k, w_v) if packed[0] is not None else ()
         ctx.save_for_backward(x_norm, x_gemm, w_qkv, qkv, context, projected, y, rows, act_saved, h, f,
-                              w_o, ln1_w, w_1, b_1, w_2, ln2_w)
+                              w_o, ln1_w, w_1, b_1, w_2, ln2_w, *versioned)
         # Intermediates that are neither inputs nor outputs may sit on ctx (no SavedVariable).
         ctx.extras = (key_mask, attention_saved, seeds, (mean1, rstd1, mean2, rstd2))
         ctx.spec, ctx.biases = spec, tuple(b is not None for b in (b_qkv, b_o, ln1_b, ln2_b))
@@ -339,7 +342,7 @@ class _EncoderLayer(torch.autograd.Function):
     @once_differentiable("the fused encoder layer", "bert_fast::add_layernorm_bwd")
     def backward(ctx, grad_out):
         (x_norm, x_gemm, w_qkv, qkv, context, projected, y, y_gemm, act_saved, h, f,
-         w_o, ln1_w, w_1, b_1, w_2, ln2_w) = ctx.saved_tensors
+         w_o, ln1_w, w_1, b_1, w_2, ln2_w, *_) = ctx.saved_tensors
         key_mask, attention_saved, seeds, (mean1, rstd1, mean2, rstd2) = ctx.extras
         spec, (has_b_qkv, has_b_o, has_ln1_b, has_ln2_b) = ctx.spec, ctx.biases
         p, hidden, gemm_dtype = spec.dropout_p, x_norm.shape[-1], qkv.dtype
