@@ -148,6 +148,16 @@ def test_fullgraph_compile_of_skip_padding_matches_eager(backend):
     with torch.no_grad():
         out, expected = compiled(tokens, segments, valid_lens), fast(tokens, segments, valid_lens)
     assert_close(out[valid], expected[valid], atol=1e-5, what="valid positions of a second (B, L)")
+    # Further (B, L), other products B*L among them: the dynamic graph serves them all (B*L
+    # once reached nonzero_static's int fill_value, which specialised it on the product).
+    for batch, seqlen in ((4, 7), (5, 11), (2, 5)):
+        tokens, segments = random_inputs(batch, seqlen, 50)
+        valid_lens = torch.arange(batch, dtype=torch.float32) * 2 + 1
+        valid = _valid(valid_lens, seqlen)
+        with torch.no_grad():
+            out, expected = compiled(tokens, segments, valid_lens), fast(tokens, segments, valid_lens)
+        assert_close(out[valid], expected[valid], atol=1e-5, what=f"valid positions at B {batch}, L {seqlen}")
+    assert counters["stats"]["unique_graphs"] == 2, "one graph for the first (B, L), one dynamic for the rest"
 
 
 def test_fullgraph_compile_of_skip_padding_trains():
@@ -315,3 +325,45 @@ def test_saved_programs_load_in_a_fresh_process_after_register_ops(tmp_path):
         torch.save(fast(*inputs), tmp_path / "expected.pt")
     torch.save(inputs, tmp_path / "inputs.pt")
     _run_in_a_fresh_process(_LOAD_SAVED, str(tmp_path))
+
+
+@pytest.mark.parametrize("skip_padding", [False, True], ids=["exact", "skip_padding"])
+def test_export_with_dynamic_batch_and_length_runs_at_other_shapes(skip_padding):
+    """torch.export with dynamic B and L: the program runs at other (B, L), products B*L
+    included (skip_padding's program was guarded on the exported B*L)."""
+    from torch.export import Dim
+    _, fast = encoder_pair(encoder_config(num_layers=1), skip_padding=skip_padding, backend="torch")
+    batch, length = Dim("batch", min=1, max=16), Dim("length", min=2, max=32)
+    tokens, segments = random_inputs(2, 8, 50)
+    with torch.no_grad():
+        program = torch.export.export(fast, (tokens, segments, torch.tensor([3, 8])),
+                                      dynamic_shapes=({0: batch, 1: length}, {0: batch, 1: length}, {0: batch}))
+        exported = program.module()
+        for rows, seqlen in ((3, 5), (4, 12), (2, 8)):
+            tokens, segments = random_inputs(rows, seqlen, 50)
+            valid_lens = torch.arange(rows) * 3 % (seqlen + 1)
+            assert_close(exported(tokens, segments, valid_lens), fast(tokens, segments, valid_lens), atol=1e-5,
+                         what=f"exported program at B {rows}, L {seqlen}")
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_always_on_checks_under_compile(fullgraph):
+    """A shape, dtype or length check that fails while Dynamo traces: without fullgraph our
+    ValueError/TypeError itself; with it, Dynamo's Unsupported ("Observed exception") carrying
+    our message (README: Input checks). Never a wrong answer."""
+    torch._dynamo.reset()
+    _, fast = encoder_pair(encoder_config(num_layers=1, max_len=16), backend="torch")
+    compiled = torch.compile(fast, fullgraph=fullgraph, backend="aot_eager")
+    tokens, segments = random_inputs(2, 8, 50)
+    compiled(tokens, segments, None)
+    cases = [((*random_inputs(2, 20, 50), None), ValueError, "sequence length 20 exceeds max_len 16"),
+             ((tokens.float(), segments, None), TypeError, "tokens must have dtype torch.int64"),
+             ((tokens, segments, torch.tensor([1, 2, 3])), ValueError, "valid_lens must have shape")]
+    for args, error, message in cases:
+        if fullgraph:
+            with pytest.raises(torch._dynamo.exc.Unsupported, match="Observed exception") as caught:
+                compiled(*args)
+            assert f"{error.__name__}('{message}" in str(caught.value)
+        else:
+            with pytest.raises(error, match=message):
+                compiled(*args)

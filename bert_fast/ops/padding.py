@@ -55,7 +55,11 @@ def unpadding_for(valid_lens, seqlen, num_tokens=None):
         seqlens = counts.tolist()
         num_tokens, filler = sum(seqlens), 0
     else:
-        seqlens, filler = None, batch * seqlen
+        # Slot B*L (unpad's zero row) for the filler rows. Under torch.compile the count is
+        # exact, so no filler is used, and B*L, a symbolic size there, passed as nonzero_static's
+        # int fill_value would specialise the graph on B*L (a recompile per product, an export
+        # guarded on the traced one).
+        seqlens, filler = None, 0 if torch.compiler.is_compiling() else batch * seqlen
     indices = torch.nonzero_static(valid.flatten(), size=num_tokens, fill_value=filler).squeeze(1)
     return Unpadding(indices, cu_seqlens, seqlens, batch, seqlen)
 
