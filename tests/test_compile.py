@@ -363,7 +363,8 @@ def test_always_on_checks_under_compile(fullgraph):
         if fullgraph:
             with pytest.raises(torch._dynamo.exc.Unsupported, match="Observed exception") as caught:
                 compiled(*args)
-            assert f"{error.__name__}('{message}" in str(caught.value)
+            text = str(caught.value)     # its format varies: torch 2.11 ValueError([ConstantVariable(str: '...')])
+            assert error.__name__ in text and message in text, text
         else:
             with pytest.raises(error, match=message):
                 compiled(*args)
