@@ -102,7 +102,9 @@ hook), children, parameters and buffers by identity only when some module of the
 registered a parameter, buffer or submodule since the last check (torch's global registration
 hooks count them: assignment, ``register_*``, ``add_module``, ``load_state_dict(assign=True)``).
 A 12-layer encoder (195 parameters, 196 modules) took ~24 us a check that way on the CI
-machine's CPU, against ~41 us comparing everything every call (2026-11-26, interleaved). The
+machine's CPU, against ~41 us comparing everything every call (2026-11-26, interleaved); the
+addresses read through the parameter and buffer dicts (for writes into them, which fire no
+hook) made it ~30 us against ~26 (2026-11-27, timeit, H 64). The
 check runs after the replay is launched, while the GPU runs it (the first call, and a call
 that captures, check first): the snapshot keeps the storages of the tensors it saw alive, so a
 replay of a changed tree reads valid (stale) memory; the call then waits for that replay,
@@ -672,17 +674,20 @@ class _ModuleSnapshot:
                 for name, t in table.items():
                     if t is not None and type(t) not in (torch.Tensor, nn.Parameter):
                         raise TypeError(f"{type(t).__name__} {name!r}")
-                    self.tensors.append((table, name, t, 0 if t is None else t.data_ptr()))
+                    self.tensors.append((table, name, t))
+        held = [(table, name, t) for table, name, t in self.tensors if t is not None]
+        # Addresses read through the tables (C-level maps: ~one dict lookup a tensor more than
+        # reading the held tensors): a write into a module's _parameters/_buffers dict
+        # (torch.func.functional_call, accelerate's set_module_tensor_to_device) fires no
+        # registration hook, and the tensor it replaced keeps its address.
+        self.tables, self.names = [table for table, _, _ in held], [name for _, name, _ in held]
+        self.addresses = [t.data_ptr() for _, _, t in held]
         # Their storages, kept alive while the snapshot is: a replay launched before check() may
         # read a tensor's old memory (``p.data = ...`` releases it, and empty_cache() could hand
         # it back to the driver before the replay runs).
-        self.storages = [t.untyped_storage() for _, _, t, _ in self.tensors if t is not None]
+        self.storages = [t.untyped_storage() for _, _, t in held]
         self.params = tuple(encoder.parameters())
         self.submodules = tuple(child for _, _, child in self.children)
-        # Read through the tables: a write into a module's _parameters/_buffers dict
-        # (torch.func.functional_call, accelerate's set_module_tensor_to_device) fires no
-        # registration hook, and the tensor it replaced keeps its address.
-        self.addressed = tuple((table, name, address) for table, name, t, address in self.tensors if t is not None)
 
     def check(self):
         """None if unchanged, "training" if a submodule is in training mode, else "changed"."""
@@ -693,18 +698,22 @@ class _ModuleSnapshot:
             for table, name, child in self.children:
                 if table.get(name) is not child:
                     return "changed"
-            for table, name, t, _ in self.tensors:
+            for table, name, t in self.tensors:
                 if table.get(name) is not t:
                     return "changed"
             self.registrations = _registrations    # this tree is as captured: the short path again
         for child in self.submodules:
             if child.training:
                 return "training"
-        for table, name, address in self.addressed:
-            t = table.get(name)
-            if t is None or t.data_ptr() != address:
+        try:
+            if list(map(_data_ptr, map(dict.__getitem__, self.tables, self.names))) != self.addresses:
                 return "changed"
+        except (KeyError, TypeError):      # a tensor deleted from its table, or set to None
+            return "changed"
         return None
+
+
+_data_ptr = torch.Tensor.data_ptr
 
 
 class _Bucket(collections.namedtuple("_Bucket", "batch seqlen num_tokens lengths_shape lengths_dtype")):
