@@ -37,9 +37,9 @@ import numpy as np
 import torch
 
 from . import bench_suite, host_bench
-from .backend import BACKENDS
-from .bench_common import (BASELINE, DTYPES, PRESETS, Progress, build_models, default_device,
-                           environment_info, figure_class, first_call, make_inputs, max_error,
+from .backend import BACKENDS, resolve_backend
+from .bench_common import (BASELINE, DTYPES, PRESETS, Progress, build_models, check_plot_path, device_option,
+                           environment_info, first_call, make_inputs, max_error,
                            add_record_options, plot_from_json, plot_speedup, record_path_for, replace_generated_table,
                            table_from_files, time_interleaved, write_json)
 
@@ -78,6 +78,8 @@ def run_benchmark(models, *, batch, seqs, min_len_frac, seed, repeats, warmup, d
         progress.total_steps = count_steps(len(methods), len(seqs), warmup, repeats)
     rows = []
     for seq in seqs:
+        if any(method.compiled for method in methods):
+            torch._dynamo.reset()      # each length compiled afresh, static (build_models)
         inputs = make_inputs(batch, seq, min_len_frac, models.config["vocab_size"], seed, device)
         reference_output = None
         first_calls = {}
@@ -85,14 +87,14 @@ def run_benchmark(models, *, batch, seqs, min_len_frac, seed, repeats, warmup, d
             for method in methods:
                 if progress:
                     progress.step(f"seq {seq} {method.name}: first call "
-                                  f"({'compiling, ' if method.may_fail else ''}checking)")
+                                  f"({'compiling, ' if method.compiled else ''}checking)")
                 output, seconds, skip_reason = first_call(method, inputs, device)
                 if skip_reason is not None:
                     if progress:
                         progress.note(f"{method.name} skipped at seq {seq}: {skip_reason}")
                     first_calls[method.name] = (None, seconds, skip_reason)
                     continue
-                if method.may_fail and progress:
+                if method.compiled and progress:
                     progress.note(f"{method.name}: first call at seq {seq} took {seconds:.1f} s "
                                   f"(compilation; not timed)")
                 if reference_output is None:
@@ -181,7 +183,8 @@ def format_table(rows):
                        f"({100 * row['valid_tokens'] / row['padded_tokens']:.0f}%); best peer "
                        f"{row.get('best_peer')}")
         out.append("max abs err: against an fp32 eager forward on the same weights; "
-                   "* = valid positions only (padded outputs are zeros by design)")
+                   "* = valid positions only (skip_padding's padded outputs are zeros by design; "
+                   "the peers' padded outputs are not the book's)")
     return "\n".join(out)
 
 
@@ -288,16 +291,21 @@ def parse_args(argv=None):
     if args.readme and not args.table_from:
         parser.error("--readme needs --table-from RECORD ...")
     if args.table_from:
+        if args.plot or args.plot_from:
+            parser.error("--table-from prints tables only; draw records with --plot-from RECORD ... --plot PATH")
         return args
     if args.plot_from and not args.plot:
         parser.error("--plot-from needs --plot PATH for the PNG")
     if args.plot:
-        try:
-            figure_class()
-        except ImportError as error:
-            parser.error(str(error))  # before a long run, not after it
+        check_plot_path(parser, args.plot)
     if args.plot_from:
         return args
+    args.device = device_option(parser, args.device)
+    for backend in args.backends:
+        try:
+            resolve_backend(backend)
+        except ValueError as error:
+            parser.error(str(error))
     defaults = RUN_DEFAULTS[args.preset]
     args.seq = args.seq or defaults["seqs"]
     args.repeats = args.repeats if args.repeats is not None else defaults["repeats"]
@@ -336,10 +344,13 @@ def main(argv=None):
             sys.exit(f"python -m bert_fast.bench: error: {error}")
         return
     if args.plot_from:
-        plot_from_json(args.plot_from, args.plot)
+        try:
+            plot_from_json(args.plot_from, args.plot)
+        except ValueError as error:
+            sys.exit(f"python -m bert_fast.bench: error: {error}")
         print(f"wrote {args.plot}")
         return
-    device = torch.device(args.device) if args.device else default_device()
+    device = args.device
     record_path = None if args.no_record else record_path_for(args.json, device)
     dtype = DTYPES[args.dtype]
     models = build_models(args.preset, dtype, device, seed=args.seed,

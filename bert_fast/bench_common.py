@@ -25,6 +25,7 @@ import os
 import platform
 import re
 import shlex
+import subprocess
 import sys
 import time
 import traceback
@@ -75,6 +76,38 @@ def default_device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def device_option(parser, name):
+    """--device's torch.device (default_device() for None), or parser.error where it names no
+    device this machine has (before the run, not as a traceback inside it)."""
+    if name is None:
+        return default_device()
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as error:
+        parser.error(f"--device {name!r}: {error}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            parser.error(f"--device {name}: this PyTorch sees no CUDA GPU (torch {torch.__version__}); "
+                         f"use --device cpu")
+        if device.index is not None and device.index >= count:
+            parser.error(f"--device {name}: there are {count} CUDA devices")
+    elif device.type != "cpu":
+        parser.error(f"--device {name}: the benchmarks run on cpu or cuda")
+    return device
+
+
+def check_plot_path(parser, path):
+    """matplotlib present and the PNG's folder there: checked before a long run, not after it."""
+    try:
+        figure_class()
+    except ImportError as error:
+        parser.error(str(error))
+    folder = Path(path).parent
+    if not folder.is_dir():
+        parser.error(f"--plot {path}: the folder {folder} does not exist")
+
+
 def synchronize(device):
     """Wait for queued kernels, so a host timer measures the work and not the launch."""
     if device.type == "cuda":
@@ -87,8 +120,11 @@ class Method:
     forward: Callable          # (tokens, segments, valid_lens) -> (B, L, H)
     # Its padded positions are zeros by design, so only valid positions are compared.
     valid_positions_only: bool = False
-    # A failure on the first call (compilation) skips the method instead of ending the run.
+    # A failure on the first call (compilation, a peer's limits) skips the method instead of
+    # ending the run.
     may_fail: bool = False
+    # Compiled by torch.compile: its first call at each length compiles (not timed).
+    compiled: bool = False
     # bert_fast's; the others (the reference, compiled or not, and the peers) are what it is
     # measured against ("vs best peer": the fastest of them).
     ours: bool = False
@@ -127,7 +163,10 @@ def build_models(preset, dtype, device, *, seed=0, include_compile=True, backend
     eager = reference if dtype == torch.float32 else copy.deepcopy(reference).to(dtype)
     methods = {"eager": Method("eager", eager)}
     if include_compile:
-        methods["compile"] = Method("compile", torch.compile(eager), may_fail=True)
+        # Static shapes, as the suite compiles: with automatic dynamic shapes the second length
+        # would compile a symbolic-length graph that every later length reuses (other work
+        # than the first length's). run_benchmark resets Dynamo per length (no recompile limit).
+        methods["compile"] = Method("compile", torch.compile(eager, dynamic=False), may_fail=True, compiled=True)
     for name in PEER_NAMES if include_peers else ():
         methods[name] = peer_method(name, eager)
     for backend in backends:
@@ -323,6 +362,7 @@ def environment_info(device):
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
+    transformers = sys.modules.get("transformers")
     return dict(
         device=str(device),
         device_name=(torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()),
@@ -330,7 +370,32 @@ def environment_info(device):
         torch=torch.__version__, triton=triton_version, cuda=torch.version.cuda,
         python=platform.python_version(), platform=platform.platform(),
         auto_backend=backend_for("auto", device),
-        extension=extension.loaded_from() if extension.load() else None)
+        extension=extension.loaded_from() if extension.load() else None,
+        bert_fast=bert_fast_version(),
+        transformers=getattr(transformers, "__version__", None))
+
+
+def bert_fast_version():
+    """The package version and, in a git checkout, the commit ("0.1.0 at 1a2b3c4", "+changes"
+    when the work tree differs from it): what code a record measured."""
+    from . import __version__
+    root = Path(__file__).resolve().parent.parent
+    if not (root / ".git").exists():        # an installed copy (or another repository above it)
+        return __version__
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                                text=True, timeout=10, check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                 capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return __version__
+    return f"{__version__} at {commit}{' +changes' if changed else ''}"
+
+
+def _code_versions(env):
+    """", bert_fast ..., transformers ..." for a caption, where the record has them (records
+    before 2026-11-27 do not)."""
+    return "".join(f", {name} {env[name]}" for name in ("bert_fast", "transformers") if env.get(name))
 
 
 # Records go under the working directory: run from a checkout's root (as the README does) they
@@ -394,6 +459,20 @@ def load_json(path):
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
+def load_record(path):
+    """A benchmark record read from ``path``; ValueError naming the file where it cannot be
+    read or is no JSON object (the CLIs print it without a traceback)."""
+    try:
+        record = load_json(path)
+    except OSError as error:
+        raise ValueError(f"cannot read {path}: {error.strerror or error}") from error
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not a JSON record ({error})") from error
+    if not isinstance(record, dict):
+        raise ValueError(f"{path} is not a benchmark record (a JSON object)")
+    return record
+
+
 def is_suite_record(record):
     return record.get("kind") == SUITE_RECORD_KIND
 
@@ -416,11 +495,11 @@ def main_record_markdown(record):
     model = config["encoder"]
     caption = (
         f"Measured on **{env['device_name']}** ({env['device']}, {env['torch_num_threads']} threads), "
-        f"{record['date']}: torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}. "
+        f"{record['date']}: torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}{_code_versions(env)}. "
         f"Preset {config['preset']} (H {model['num_hiddens']}, {model['num_layers']} layers, "
         f"{model['num_heads']} heads, FFN {model['ffn_num_hiddens']}), batch {config['batch']}, "
         f"lengths uniform in [ceil({config['min_len_frac']} L), L], {config['dtype']}, {config['mode']}; "
-        f"{config['repeats']} interleaved rounds.\nCommand: `{' '.join(record['command'])}`")
+        f"{config['repeats']} interleaved rounds.\nCommand: `{shlex.join(record['command'])}`")
     lines = ["| method | L | median ms | p90 ms | valid tok/s | vs eager | vs best peer | max abs err vs fp32 eager |",
              "|---|---|---|---|---|---|---|---|"]
     for row in record["rows"]:
@@ -494,9 +573,9 @@ def _caption(record):
     env = record["environment"]
     peaks = ", ".join(f"{p['dtype']} {p['tflops']:.3g} TFLOP/s ({p['n']}³)" for p in record["matmul_peaks"])
     return (f"Measured on **{env['device_name']}** ({env['device']}), {record['date']}: torch {env['torch']}, "
-            f"triton {env['triton']}, CUDA {env['cuda']}, auto backend {env['auto_backend']}, "
+            f"triton {env['triton']}, CUDA {env['cuda']}{_code_versions(env)}, auto backend {env['auto_backend']}, "
             f"extension {env['extension']}. Matmul peak in the same run: {peaks}.\n"
-            f"Command: `{' '.join(record['command'])}`")
+            f"Command: `{shlex.join(record['command'])}`")
 
 
 def _footnotes(record):
@@ -527,8 +606,13 @@ def group_markdown(group):
 
 def suite_record_markdown(record):
     """A suite record as markdown: a caption naming the machine, a table per group, footnotes."""
-    return "\n\n".join([_caption(record), *(group_markdown(group) for group in groups(record["rows"])),
-                       _footnotes(record)])
+    parts = [_caption(record)]
+    if record.get("complete") is False:     # (records before 2026-11-27 do not say)
+        config = record["config"]
+        parts.append(f"**Incomplete run**: the record was written before the run ended and holds only the "
+                     f"groups below, of presets {config['presets']} × dtypes {config['dtypes']} × shapes "
+                     f"{[shape['name'] for shape in config['shapes']]}.")
+    return "\n\n".join([*parts, *(group_markdown(group) for group in groups(record["rows"])), _footnotes(record)])
 
 
 def host_record_markdown(record):
@@ -537,13 +621,13 @@ def host_record_markdown(record):
     env, config = record["environment"], record["config"]
     caption = (
         f"Measured on **{env['device_name']}** ({env['device']}, {env['torch_num_threads']} threads), "
-        f"{record['date']}: torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, extension "
+        f"{record['date']}: torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}{_code_versions(env)}, extension "
         f"{env['extension']}. {config['num_layers']} layers, H {config['num_hiddens']}, "
         f"{config['num_heads']} heads, FFN {config['ffn_num_hiddens']}, B {config['batch']}, "
         f"L {config['seq']}, dropout {config['dropout']}, check_inputs {config['check_inputs']}"
         f"{', skip_padding' if config.get('skip_padding') else ''}; "
         f"{config['rounds']} interleaved rounds of {config['calls_per_round']} calls.\n"
-        f"Command: `{' '.join(record['command'])}`")
+        f"Command: `{shlex.join(record['command'])}`")
     parts = [caption]
     for mode in dict.fromkeys(row["mode"] for row in record["rows"]):
         lines = [f"**{mode}**", "",
@@ -554,7 +638,9 @@ def host_record_markdown(record):
                          f"| {row['vs_reference']:.2f}× | {_optional(row['vs_torch_backend'], '{:.2f}×')} "
                          f"| {row['aten_ops_per_layer']:.1f} | {_optional(row['launches_per_layer'], '{:.1f}')} |")
         parts.append("\n".join(lines))
-    parts.append(f"Timing: {config['timing']}.")
+    parts.append("vs reference, vs fast[torch]: this row's host time divided by theirs (below 1× is "
+                 "faster; the other benchmarks' ratios are speedups, above 1× faster). "
+                 f"Timing: {config['timing']}.")
     return "\n\n".join(parts)
 
 
@@ -575,7 +661,13 @@ def format_markdown(records):
 
 
 def table_from_files(paths):
-    return format_markdown([load_json(path) for path in paths])
+    records = [load_record(path) for path in paths]
+    for path, record in zip(paths, records):
+        try:
+            format_markdown([record])
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from error
+    return format_markdown(records)
 
 
 # --------------------------------------------------------------------------- README
@@ -643,7 +735,9 @@ def replace_generated_table(text, markdown, record_paths=None, base_dir="."):
     if not chosen and len(blocks) == 1 and blocks[0].records is None:
         chosen = blocks
     if not chosen:
-        begin = README_BEGIN if record_paths is None else readme_begin_marker(record_paths)
+        # The marker's paths as seen from the README's folder, where a marker is read.
+        begin = README_BEGIN if record_paths is None else readme_begin_marker(
+            [os.path.relpath(Path(path).resolve(), Path(base_dir).resolve()) for path in record_paths])
         named = "; ".join(" ".join(block.records) for block in blocks if block.records)
         raise ValueError(f"no place for the tables: the file needs the lines {begin} and "
                          f"{README_END}, in that order"
@@ -703,9 +797,18 @@ def _describe(record):
 
 def plot_from_json(paths, out_path):
     """Plot one or more saved ``--json`` results (or ``--suite`` records) into one PNG."""
-    records = [load_json(path) for path in paths]
+    records = [load_record(path) for path in paths]
+    kinds = {"suite" if is_suite_record(record) else "main" if is_main_record(record) else None
+             for record in records}
+    for path, record in zip(paths, records):
+        if not (is_suite_record(record) or is_main_record(record)):
+            raise ValueError(f"{path}: --plot-from draws records of `python -m bert_fast.bench --json` "
+                             f"or `--suite gpu` (host and kernel records have no plot)")
+    if len(kinds) > 1:
+        raise ValueError("--plot-from draws records of one kind at a time (main job or --suite gpu), "
+                         "not both in one PNG")
     labels = [Path(path).stem for path in paths]
-    if any(is_suite_record(record) for record in records):
+    if kinds == {"suite"}:
         plot_suite(records, out_path, labels=labels)
     else:
         plot_speedup(records, out_path, labels=labels)

@@ -72,8 +72,8 @@ import torch
 from . import peers
 from .backend import BACKENDS, backend_for, resolve_backend
 from .bench_common import (BASELINE, DTYPES, PEER_NAMES, PRESETS, SUITE_RECORD_KIND, Method, Progress,
-                           add_record_options, build_models, build_peer, default_device, encoder_config,
-                           environment_info, failure_reason, fast_encoder_sharing, figure_class,
+                           add_record_options, build_models, build_peer, check_plot_path, device_option, encoder_config,
+                           environment_info, failure_reason, fast_encoder_sharing,
                            first_call, group_markdown, make_inputs, max_error, plot_suite,
                            record_path_for, synchronize, time_interleaved, write_json)
 from .convert import optimize
@@ -670,9 +670,12 @@ def add_speedups(rows):
 
 # --------------------------------------------------------------------------- records
 
-def make_suite_record(rows, matmul_peaks, options, shapes, device, argv):
+def make_suite_record(rows, matmul_peaks, options, shapes, device, argv, complete=True):
+    """``complete``: False for the record rewritten after each group while the run goes on (a
+    run stopped by a time limit leaves it so: its tables say the run did not finish)."""
     return dict(
         kind=SUITE_RECORD_KIND,
+        complete=complete,
         environment=environment_info(device),
         command=list(argv),
         date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -740,10 +743,7 @@ def parse_args(argv):
     parser = build_parser()
     options = parser.parse_args(argv)
     if options.plot:
-        try:
-            figure_class()
-        except ImportError as error:
-            parser.error(str(error))
+        check_plot_path(parser, options.plot)
     options.compile = (not options.quick) if options.compile is None else options.compile
     options.warmup = options.warmup if options.warmup is not None else (
         QUICK["warmup"] if options.quick else WARMUP)
@@ -751,8 +751,9 @@ def parse_args(argv):
         options.rounds = QUICK["rounds"]
     if (options.rounds is not None and options.rounds < 1) or options.warmup < 1:
         parser.error("--rounds and --warmup must be >= 1")
-    device = torch.device(options.device) if options.device else default_device()
-    options.device = device
+    if options.matmul_n is not None and options.matmul_n < 64:
+        parser.error("--matmul-n must be >= 64 (the peak is timed on an N x N x N matmul)")
+    device = options.device = device_option(parser, options.device)
     options.backends = options.backends or default_backends(device)
     shapes = [quick_shape(SHAPES[name]) if options.quick else SHAPES[name] for name in options.shapes]
     for preset in options.preset:
@@ -816,7 +817,7 @@ def main(argv, record_argv=None):
     def on_group(rows, peaks, group):
         # Rewritten after every group: a run stopped by a time limit keeps what it measured.
         if path is not None:
-            write_json(make_suite_record(rows, peaks, options, shapes, device, command), path)
+            write_json(make_suite_record(rows, peaks, options, shapes, device, command, complete=False), path)
         progress.close()
         print(group_markdown(group) + "\n", flush=True)
 

@@ -53,7 +53,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .bench_common import (HOST_RECORD_KIND, Progress, add_record_options, default_device, environment_info,
+from .bench_common import (HOST_RECORD_KIND, Progress, add_record_options, device_option, environment_info,
                            host_record_markdown, make_inputs, record_path_for, synchronize, write_json,
                            _rotated)
 from . import cuda_graph
@@ -427,7 +427,7 @@ def parse_args(argv):
         parser.error("--rounds, --calls, --layers, --batch and --seq must be >= 1, --warmup >= 0")
     if options.hidden % options.heads:
         parser.error(f"--hidden ({options.hidden}) must be divisible by --heads ({options.heads})")
-    options.device = torch.device(options.device) if options.device else default_device()
+    options.device = device_option(parser, options.device)
     options.backends = options.backends or [b for b in available_backends() if b != "auto"]
     if options.gpu_path is None:
         options.gpu_path = gpu_path_available(options.device)

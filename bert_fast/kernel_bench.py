@@ -349,7 +349,9 @@ def memory_bound_rows(device, dtype, copy_gbps, tokens=16 * 512, sizes=((768, 30
             "embedding_sum": (
                 {b: (lambda b=b: ops.embedding_sum(ids, segs, token_w, segment_w, pos_w, backend=b))
                  for b in backends},
-                [token_w, segment_w], 2 * tokens * hidden * e, 4 * tokens * hidden * e),
+                # The backward writes the whole token-table gradient (30522 x H, dense), not
+                # only the rows of the ids: counted, or its GB/s would be 2-60x too low.
+                [token_w, segment_w], 2 * tokens * hidden * e, 4 * tokens * hidden * e + token_w.numel() * e),
         }
         for op, (forwards, leaves, bytes_fwd, bytes_both) in cases.items():
             if op not in only:
@@ -450,7 +452,8 @@ def main(argv=None):
     for tokens in args.tokens if only else ():
         report(memory_bound_rows(device, dtype, copy_gbps, tokens=tokens, only=only))
     if args.json:
-        record = dict(device=name, torch=torch.__version__, triton=triton.__version__,
+        from .bench_common import bert_fast_version
+        record = dict(device=name, torch=torch.__version__, triton=triton.__version__, bert_fast=bert_fast_version(),
                       cuda=torch.version.cuda, dtype=args.dtype, command=list(sys.orig_argv),
                       l2_cache_bytes=getattr(torch.cuda.get_device_properties(device), "L2_cache_size", None),
                       timing=timing_description(), copy_gbps=copy_gbps, copy=copy_timing,

@@ -149,3 +149,64 @@ def test_help_is_complete_and_names_no_internals(which, capsys):
     assert not words & internal_names(), f"{which}: --help names {words & internal_names()}"
     assert not re.findall(r"\b[A-Z][A-Z0-9]*_[A-Z0-9_]+\b", text), which    # e.g. a metavar
     assert "{'" not in text and "['" not in text, f"{which}: a Python repr in --help"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+@pytest.mark.parametrize("argv", [["--device", "cuda"], ["--suite", "gpu", "--device", "cuda"],
+                                  ["--suite", "host", "--device", "cuda:0"], ["--device", "tpu"]],
+                         ids=["main", "suite", "host", "unknown"])
+def test_a_device_this_machine_lacks_is_a_usage_error(argv, tmp_path, monkeypatch, capsys):
+    """Said before the run (no traceback from inside Module.to), and no record folder made."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_code:
+        bench.main(argv + ["--json", "out/run.json"])
+    assert exit_code.value.code == 2
+    assert "--device" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_unavailable_backend_and_bad_plot_path_are_usage_errors(monkeypatch, capsys):
+    from bert_fast import extension
+    monkeypatch.setattr(extension, "load", lambda *args, **kwargs: False)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cpu", "--backends", "cuda"])
+    assert "backend 'cuda' needs bert_fast's compiled extension" in capsys.readouterr().err
+    pytest.importorskip("matplotlib")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cpu", "--plot", "no/such/folder/x.png"])
+    assert "the folder no/such/folder does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--table-from", "x.json", "--plot", "x.png"])
+    with pytest.raises(SystemExit):
+        bench_suite.parse_args(["--device", "cpu", "--matmul-n", "0"])
+
+
+def test_records_that_cannot_be_read_or_drawn_are_named(tmp_path, capsys):
+    host = tmp_path / "host.json"
+    bench_common.write_json({"kind": bench_common.HOST_RECORD_KIND, "config": {}, "rows": []}, host)
+    (tmp_path / "notes.log").write_text("not json")
+    for argv, message in (
+            (["--table-from", str(tmp_path / "missing.json")], "cannot read"),
+            (["--table-from", str(tmp_path / "notes.log")], "notes.log is not a JSON record"),
+            (["--plot-from", str(host), "--plot", str(tmp_path / "x.png")], "host and kernel records have no plot")):
+        if "--plot" in argv:
+            pytest.importorskip("matplotlib")
+        with pytest.raises(SystemExit) as exit_code:
+            bench.main(argv)
+        assert message in str(exit_code.value.code), (argv, exit_code.value.code)
+
+
+def test_compiled_reference_is_compiled_static_per_length(monkeypatch):
+    """The compile row times a static graph at every length (with automatic dynamic shapes the
+    second length compiled a symbolic-length graph that later lengths reused): compiled with
+    dynamic=False, Dynamo reset before each length."""
+    compiled_with = []
+    monkeypatch.setattr(torch, "compile", lambda module, **options: compiled_with.append(options) or module)
+    models = bench_common.build_models("small", torch.float32, torch.device("cpu"), include_peers=False,
+                                       backends=())
+    assert compiled_with == [{"dynamic": False}] and models.methods["compile"].compiled
+    resets = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+    bench.run_benchmark(models, batch=1, seqs=[8, 16, 24], min_len_frac=1.0, seed=0, repeats=1, warmup=1,
+                        device=torch.device("cpu"))
+    assert len(resets) == 3

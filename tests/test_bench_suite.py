@@ -65,6 +65,12 @@ def test_record_describes_the_run(record):
     assert record["config"]["flop_formula"] and record["config"]["quick"] is True
     [peak] = record["matmul_peaks"]
     assert peak["dtype"] == "float32" and math.isfinite(peak["tflops"]) and peak["tflops"] > 0
+    # Which code ran (version and, in a checkout, commit), and that the run finished.
+    assert record["environment"]["bert_fast"].startswith(bert_fast.__version__)
+    assert record["complete"] is True
+    assert "Incomplete run" not in bench_common.suite_record_markdown(record)
+    cut_short = dict(record, complete=False)       # what a run stopped by a time limit leaves
+    assert "**Incomplete run**" in bench_common.suite_record_markdown(cut_short)
 
 
 @pytest.mark.parametrize("shape", list(bench_suite.SHAPES))
