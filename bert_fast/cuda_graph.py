@@ -91,9 +91,9 @@ Keys. A graph is looked up by everything the captured work depends on: the bucke
 the tokens' and segments' dtypes, the device, the encoder's dtype, resolved backend and
 skip_padding, autocast for the device (enabled, dtype), and the global settings the kernels
 read (float32 matmul precision, reduced-precision reductions, SDPA backends). Warmup and
-capture run with autocast's cast cache off (as make_graphed_callables requires). Parameters: a graph reads parameter memory, so in-place
-updates (``load_state_dict``, optimizer steps, ``p.mul_()``) are seen by later replays, while
-parameters replaced by other tensors (``.to()``, ``.cuda()``, ``load_state_dict(assign=True)``,
+capture run with autocast's cast cache off (as make_graphed_callables requires).
+Parameters: a graph reads parameter memory, so in-place updates (``load_state_dict``,
+optimizer steps, ``p.mul_()``) are seen by later replays, while parameters replaced by other tensors (``.to()``, ``.cuda()``, ``load_state_dict(assign=True)``,
 ``module.weight = nn.Parameter(...)``, ``p.data = ...``, ``pack_qkv_()`` moving them, a
 submodule replaced, a block appended) must invalidate the graphs. Each call compares the
 module tree with a snapshot taken at capture: child counts, tensors by ``data_ptr`` and
@@ -113,10 +113,9 @@ submodule stays in training mode). (So memory replaced since the last call
 is released at the next call, or by ``clear_cuda_graphs``; a call on CPU inputs, e.g. after
 ``.cpu()``, drops the snapshot.) Any difference drops every graph of the encoder. Not followed: attributes changed by hand on submodules
 (activation, eps, num_heads, hooks added after capture), and writes into a module's
-``_modules``/``_parameters``/``_buffers`` dicts that keep their lengths: call
-``clear_cuda_graphs(encoder)`` after those. (A tensor written into ``_parameters``/
-``_buffers``, as torch.func.functional_call and accelerate do, is seen: the address check reads
-through those dicts.) Hooks on the encoder run at every call; hooks on its submodules (blocks,
+``_modules`` dict that keep its length: call ``clear_cuda_graphs(encoder)`` after those. (A
+tensor written into ``_parameters``/``_buffers``, as torch.func.functional_call and accelerate
+do, is seen: the address check reads through those dicts.) Hooks on the encoder run at every call; hooks on its submodules (blocks,
 layers, Linears) run in the warmups and the capture only: a replay runs no Python.
 
 Memory and cost. The first call of a bucket runs 3 eager warmup forwards on a side stream
