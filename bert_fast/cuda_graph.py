@@ -87,36 +87,37 @@ The tests allow the fp32 floor 1e-4 of ../shared/STYLE.md, and for bf16 the rule
 against the fp32 encoder at most twice the eager bf16 call's, plus 5e-2).
 
 Keys. A graph is looked up by everything the captured work depends on: the bucketed shapes
-(B_b, L_b, N_b), the valid_lens buffer's shape and dtype (None shares 1-D int64's graphs),
-the tokens' and segments' dtypes, the device, the encoder's dtype, resolved backend and
+(B_b, L_b, N_b), the valid_lens buffer's shape and dtype (None shares 1-D int64's graphs), the
+tokens' and segments' dtypes, the device, the encoder's dtype, resolved backend and
 skip_padding, autocast for the device (enabled, dtype), and the global settings the kernels
 read (float32 matmul precision, reduced-precision reductions, SDPA backends). Warmup and
-capture run with autocast's cast cache off (as make_graphed_callables requires).
-Parameters: a graph reads parameter memory, so in-place updates (``load_state_dict``,
-optimizer steps, ``p.mul_()``) are seen by later replays, while parameters replaced by other tensors (``.to()``, ``.cuda()``, ``load_state_dict(assign=True)``,
-``module.weight = nn.Parameter(...)``, ``p.data = ...``, ``pack_qkv_()`` moving them, a
-submodule replaced, a block appended) must invalidate the graphs. Each call compares the
-module tree with a snapshot taken at capture: child counts, tensors by ``data_ptr`` and
-training flags always (``p.data = ...``, ``.to()``, ``ModuleList.pop``/``insert`` fire no
-hook), children, parameters and buffers by identity only when some module of the process has
-registered a parameter, buffer or submodule since the last check (torch's global registration
-hooks count them: assignment, ``register_*``, ``add_module``, ``load_state_dict(assign=True)``).
-A 12-layer encoder (195 parameters, 196 modules) took ~24 us a check that way on the CI
-machine's CPU, against ~41 us comparing everything every call (2026-11-26, interleaved); the
-addresses read through the parameter and buffer dicts (for writes into them, which fire no
-hook) made it ~30 us against ~26 (2026-11-27, timeit, H 64). The
-check runs after the replay is launched, while the GPU runs it (the first call, and a call
-that captures, check first): the snapshot keeps the storages of the tensors it saw alive, so a
-replay of a changed tree reads valid (stale) memory; the call then waits for that replay,
-discards its output and runs again, checking first (and keeps checking first while a
-submodule stays in training mode). (So memory replaced since the last call
-is released at the next call, or by ``clear_cuda_graphs``; a call on CPU inputs, e.g. after
-``.cpu()``, drops the snapshot.) Any difference drops every graph of the encoder. Not followed: attributes changed by hand on submodules
-(activation, eps, num_heads, hooks added after capture), and writes into a module's
-``_modules`` dict that keep its length: call ``clear_cuda_graphs(encoder)`` after those. (A
-tensor written into ``_parameters``/``_buffers``, as torch.func.functional_call and accelerate
-do, is seen: the address check reads through those dicts.) Hooks on the encoder run at every call; hooks on its submodules (blocks,
-layers, Linears) run in the warmups and the capture only: a replay runs no Python.
+capture run with autocast's cast cache off (as make_graphed_callables requires). Parameters: a
+graph reads parameter memory, so in-place updates (``load_state_dict``, optimizer steps,
+``p.mul_()``) are seen by later replays, while parameters replaced by other tensors (``.to()``,
+``.cuda()``, ``load_state_dict(assign=True)``, ``module.weight = nn.Parameter(...)``,
+``p.data = ...``, ``pack_qkv_()`` moving them, a submodule replaced, a block appended) must invalidate
+the graphs. Each call compares the module tree with a snapshot taken at capture: child counts,
+tensors by ``data_ptr`` and training flags always (``p.data = ...``, ``.to()``,
+``ModuleList.pop``/``insert`` fire no hook), children, parameters and buffers by identity only
+when some module of the process has registered a parameter, buffer or submodule since the last
+check (torch's global registration hooks count them: assignment, ``register_*``,
+``add_module``, ``load_state_dict(assign=True)``). A 12-layer encoder (195 parameters, 196
+modules) took ~24 us a check that way on the CI machine's CPU, against ~41 us comparing
+everything every call (2026-11-26, interleaved); the addresses read through the parameter and
+buffer dicts (for writes into them, which fire no hook) made it ~30 us against ~26 (2026-11-27,
+timeit, H 64). The check runs after the replay is launched, while the GPU runs it (the first
+call, and a call that captures, check first): the snapshot keeps the storages of the tensors it
+saw alive, so a replay of a changed tree reads valid (stale) memory; the call then waits for
+that replay, discards its output and runs again, checking first (and keeps checking first while
+a submodule stays in training mode). (So memory replaced since the last call is released at the
+next call, or by ``clear_cuda_graphs``; a call on CPU inputs, e.g. after ``.cpu()``, drops the
+snapshot.) Any difference drops every graph of the encoder. Not followed: attributes changed by
+hand on submodules (activation, eps, num_heads, hooks added after capture), and writes into a
+module's ``_modules`` dict that keep its length: call ``clear_cuda_graphs(encoder)`` after
+those. (A tensor written into ``_parameters``/``_buffers``, as torch.func.functional_call and
+accelerate do, is seen: the address check reads through those dicts.) Hooks on the encoder run
+at every call; hooks on its submodules (blocks, layers, Linears) run in the warmups and the
+capture only: a replay runs no Python.
 
 Memory and cost. The first call of a bucket runs 3 eager warmup forwards on a side stream
 (Triton autotuning for new shapes happens there), then captures (``torch.cuda.graph`` first
