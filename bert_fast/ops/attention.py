@@ -2,7 +2,10 @@
 
 Torch path: PyTorch SDPA with a boolean key mask. The reference *replaces* masked scores with
 -1e6, which a boolean mask reproduces exactly (exp(-1e6 - max) is 0 in every float type)
-except for one case: a query row that sees no key at all (valid_len <= 0). There the
+wherever a visible score is above about -1e6 + 100, i.e. for any logits a trained model makes
+(a row whose visible scores are all below -1e6 gets the book's weight on its masked keys,
+none here: 0.40 off with Q/K weights scaled x3000, measured 2026-11-27; the Triton kernels
+replace as the book does), and except for one case: a query row that sees no key at all (valid_len <= 0). There the
 reference softmaxes L equal scores and returns the uniform average of all L values; with
 a boolean mask that row would be NaN. We get the reference's answer, and its gradients, by
 unmasking every key for such rows and zeroing their query: all scores become exactly 0,
