@@ -80,7 +80,7 @@ from .cuda_graph import _Bucket, _Calls, _is_ids, _sliced, bucket_batch, bucket_
     clear_cuda_graphs, graphed
 from .ops._triton import values_on_host
 from .modules import _ACTIVATION_FUNCTIONS, _GLOBAL_HOOKS, _hook_dicts, _linear, _pack_back_to_back_, \
-    _parameters_read, _QKVPacking, fused_layer
+    _dropout_rate, _parameters_read, _QKVPacking, fused_layer
 from .ops.embedding_layernorm import embedding_layernorm
 
 
@@ -425,21 +425,22 @@ class FastBertLayer(BertLayer):
         backend = backend_of(self.bert_fast_backend, X)
         attention, intermediate, output = self.attention, self.intermediate, self.output
         attn, attn_out = attention.self, attention.output
-        training = self.training
+        # Each dropout in the mode HF's code reads: the attention weights' BertSelfAttention's
+        # (`dropout=0.0 if not self.training`), the hidden states' their nn.Dropout's own.
+        attn_dropout = attn.dropout.p if attn.training else 0.0
+        drop1, drop2 = attn_out.dropout, output.dropout
         # Hooks inside a layer send FastBertModel's calls to HF's forward (_Submodules).
         if (backend != "torch" and X.dim() == (3 if mask.unpadding is None else 2) and not torch.compiler.is_compiling()
                 and not torch._C._get_tracing_state()):
-            p = attn.dropout.p if training else 0.0
-            if not training or p == attn_out.dropout.p == output.dropout.p:
+            if attn_dropout == _dropout_rate(drop1) == _dropout_rate(drop2):
                 attended = mask.key_mask if mask.unpadding is None else mask.unpadding
-                fused = fused_layer(X, attended, backend, attn.num_attention_heads, float(p),
+                fused = fused_layer(X, attended, backend, attn.num_attention_heads, float(attn_dropout),
                                     _activation_of(intermediate.intermediate_act_fn),
                                     (attn.query, attn.key, attn.value, attn_out.dense, intermediate.dense,
                                      output.dense), (attn_out.LayerNorm, output.LayerNorm), self)
                 if fused is not None:
                     return fused
         qkv = self._qkv(X)
-        attn_dropout = attn.dropout.p if training else 0.0
         if mask.unpadding is None:
             context = ops.packed_self_attention(qkv, attn.num_attention_heads, mask.key_mask, attn_dropout,
                                                 backend=backend)
@@ -448,7 +449,7 @@ class FastBertLayer(BertLayer):
                                                   attn_dropout, backend=backend)
         ln = attn_out.LayerNorm
         Y = ops.add_layernorm(_linear(attn_out.dense, context), X, ln.weight, ln.bias, ln.eps,
-                              attn_out.dropout.p, training, backend=backend)
+                              drop1.p, drop1.training, backend=backend)
         activation = _activation_of(intermediate.intermediate_act_fn)
         dense = intermediate.dense
         if type(dense) is nn.Linear:
@@ -456,8 +457,8 @@ class FastBertLayer(BertLayer):
         else:
             hidden = _ACTIVATION_FUNCTIONS[activation](dense(Y))
         ln = output.LayerNorm
-        return ops.add_layernorm(_linear(output.dense, hidden), Y, ln.weight, ln.bias, ln.eps, output.dropout.p,
-                                 training, backend=backend)
+        return ops.add_layernorm(_linear(output.dense, hidden), Y, ln.weight, ln.bias, ln.eps, drop2.p,
+                                 drop2.training, backend=backend)
 
 
 # Keyword arguments of BertModel.forward the fast path takes when they have these values
@@ -466,7 +467,9 @@ _NEUTRAL = {"inputs_embeds": (None,), "head_mask": (None,), "encoder_hidden_stat
             "encoder_attention_mask": (None,), "past_key_values": (None,), "output_attentions": (None, False),
             "output_hidden_states": (None, False, True)}    # transformers 5 also takes a selection of layers
 # use_cache: HF ignores it for encoders (not decoders: optimize() refuses those).
-_HANDLED = ("return_dict", "use_cache")
+# num_items_in_batch: a loss argument (TransformersKwargs) that Trainer adds to every call of a
+# head whose forward takes **kwargs, which passes it on to BertModel; the encoder ignores it.
+_HANDLED = ("return_dict", "use_cache", "num_items_in_batch")
 
 
 def _prefix_lengths_on_host(keep):
@@ -532,6 +535,11 @@ class FastBertModel(BertModel):
         reason = self._fallback_reason(args, kwargs, attention_mask)
         if reason is None and input_ids is None:
             reason = "no input_ids"
+        if (reason is None and attention_mask is not None and isinstance(input_ids, torch.Tensor)
+                and attention_mask.shape != input_ids.shape and input_ids.dim() == attention_mask.dim() == 2
+                and all(m in (1, n) for m, n in zip(attention_mask.shape, input_ids.shape))):
+            # (B, 1), (1, L): HF broadcasts them, so HF's answer (other shapes: the fast path's error).
+            reason = f"an attention_mask of shape {tuple(attention_mask.shape)}, not input_ids' {tuple(input_ids.shape)}"
         if reason is not None:
             self._warn_fallback(reason)
             return super().forward(input_ids, attention_mask, token_type_ids, position_ids, *args, **kwargs)

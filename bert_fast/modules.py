@@ -180,7 +180,10 @@ class FastMultiHeadAttention(nn.Module):
     def forward(self, queries, keys, values, valid_lens=None, *, unpadding=None):
         """As the reference. With ``unpadding`` (skip_padding), ``queries`` is the (N, H)
         packed valid tokens of a self-attention and ``unpadding`` says where they sit."""
-        dropout_p = self._modules["dropout"].p if self.training else 0.0
+        # The dropout module's own mode, as the reference's module call follows it (MC dropout
+        # turns the Dropout modules of an eval model on).
+        dropout = self._modules["dropout"]
+        dropout_p = dropout.p if dropout.training else 0.0
         backend = backend_of(self.backend, queries)
         if unpadding is not None:
             context = ops.unpadded_self_attention(self._qkv(queries), self.num_heads, unpadding, valid_lens,
@@ -285,7 +288,7 @@ class FastAddNorm(AddNorm):
                 and not any(_GLOBAL_HOOKS)):      # (_parameters_read for both, in one call)
             return ln(dropout(Y) + X)        # the reference's forward, calling the modules
         return ops.add_layernorm(Y, X, ln._parameters["weight"], ln._parameters["bias"], ln.eps,
-                                 dropout.p, self.training, backend=backend_of(self.backend, X))
+                                 dropout.p, dropout.training, backend=backend_of(self.backend, X))
 
 
 class FastPositionWiseFFN(nn.Module):
@@ -384,13 +387,19 @@ class FastEncoderBlock(nn.Module):
             return None
         if not type(n1["dropout"]) is type(n2["dropout"]) is nn.Dropout:
             return None
-        p = a["dropout"].p
-        if not p == n1["dropout"].p == n2["dropout"].p:
+        # Each dropout as its own module's mode says (the reference calls them); one rate for all three.
+        p = _dropout_rate(a["dropout"])
+        if not p == _dropout_rate(n1["dropout"]) == _dropout_rate(n2["dropout"]):
             return None
         key_mask = ops.prepare_key_mask(valid_lens, X.shape[1], backend, X.dtype) if unpadding is None else unpadding
-        return fused_layer(X, key_mask, backend, attention.num_heads, float(p) if self.training else 0.0,
+        return fused_layer(X, key_mask, backend, attention.num_heads, float(p),
                            ffn.activation, (a["W_q"], a["W_k"], a["W_v"], w_o, f["dense1"], dense2),
                            (n1["ln"], n2["ln"]), attention)
+
+
+def _dropout_rate(dropout):
+    """The rate an nn.Dropout applies now: its p in training mode, else 0."""
+    return dropout.p if dropout.training else 0.0
 
 
 def fused_layer(X, key_mask, backend, num_heads, dropout_p, activation, linears, norms, packing_holder):

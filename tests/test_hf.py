@@ -9,6 +9,7 @@ sentence-transformers. The Triton path runs in the interpreter (kernels_on_cpu()
 import contextlib
 import copy
 import json
+import re
 import warnings
 
 import pytest
@@ -310,6 +311,25 @@ def test_optimize_again_applies_its_options(monkeypatch):
     ids, types = inputs(2, 7)
     assert_close(fast(ids, token_type_ids=types).last_hidden_state,
                  model(ids, token_type_ids=types).last_hidden_state, atol=ATOL)
+
+
+def test_trainer_loss_argument_and_broadcast_masks():
+    """Trainer passes num_items_in_batch to a head whose forward takes **kwargs, which hands it
+    to BertModel (which ignores it): the fused path runs (it fell back to HF on every training
+    step). A (B, 1) or (1, L) mask, which HF broadcasts, gets HF's answer with one warning."""
+    cfg = config()
+    cfg.num_labels = 3
+    model, fast = hf_pair(cfg, cls=BertForSequenceClassification)
+    ids, types = inputs(2, 7)
+    labels = torch.tensor([0, 2])
+    expected = model(ids, token_type_ids=types, labels=labels, num_items_in_batch=torch.tensor(2))
+    got = fast(ids, token_type_ids=types, labels=labels, num_items_in_batch=torch.tensor(2))   # no fallback warning
+    assert_close(got.logits, expected.logits, atol=ATOL, what="logits")
+    for shape in ((2, 1), (1, 7)):
+        mask = torch.ones(shape, dtype=torch.long)
+        with pytest.warns(hf.HFFallbackWarning, match=rf"an attention_mask of shape {re.escape(str(shape))}"):
+            out = fast.bert(ids, mask, types).last_hidden_state
+        assert_close(out, model.bert(ids, mask, types).last_hidden_state, atol=ATOL, what=f"mask {shape}")
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -673,6 +693,39 @@ def test_fused_layers_with_dropout_draw_the_per_op_masks(backend, skip_padding):
     assert_close(fused, per_op, 1e-5, what="output")
     for got, want in zip(fused_grads, per_op_grads):
         assert_close(got, want, 1e-5, rtol=1e-4, what="grad")
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_each_dropout_follows_its_own_module_mode(backend):
+    """HF applies each dropout as its module's mode says (the attention weights' as
+    BertSelfAttention's): MC dropout (an eval model, its Dropout modules in train mode) drops,
+    and a model in train mode with its Dropout modules in eval drops nothing. The layers read
+    the layer's mode instead: MC dropout silently did nothing, and the other case dropped."""
+    model, fast = hf_pair(config(dropout=0.2), backend=backend)
+    ids, types = inputs(2, 9)
+    mask = make_mask("prefix", 2, 9)
+    with torch.no_grad():
+        plain = fast(ids, mask, types).last_hidden_state
+        for dropout in (m for m in fast.encoder.modules() if isinstance(m, torch.nn.Dropout)):
+            dropout.train()                            # MC dropout in the layers only
+        dropped = fast(ids, mask, types).last_hidden_state
+        assert max_err(dropped, plain) > 1e-2, "the layers' Dropout modules are in train mode"
+        for module in fast.encoder.modules():
+            if type(module).__name__ == "BertSelfAttention":
+                module.train()                         # the attention weights' dropout too
+        assert max_err(fast(ids, mask, types).last_hidden_state, dropped) > 1e-2
+        for model_ in (model, fast):
+            model_.train()
+            for dropout in (m for m in model_.modules() if isinstance(m, torch.nn.Dropout)):
+                dropout.eval()
+        # Attention dropout still on (BertSelfAttention in train), hidden dropouts off: random;
+        # with it off as well, deterministic and HF's.
+        for model_ in (model, fast):
+            for module in model_.encoder.modules():
+                if type(module).__name__ == "BertSelfAttention":
+                    module.eval()
+        assert_close(fast(ids, mask, types).last_hidden_state, model(ids, mask, types).last_hidden_state,
+                     atol=ATOL, what="train mode, every dropout off")
 
 
 @needs_kernels

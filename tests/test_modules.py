@@ -655,3 +655,26 @@ def test_pruned_and_parametrized_projections(backend, reparametrize):
     fast.load_state_dict(ref.state_dict())
     compare_forward_backward(ref, fast, *random_inputs(B, L, 50), torch.tensor([4.0, 13.0, 7.0], dtype=torch.float64),
                              atol=1e-10)
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_each_dropout_follows_its_own_module_mode(backend):
+    """The reference calls its Dropout modules, so each follows its own mode: MC dropout (an
+    eval encoder, its Dropout modules in train mode) drops, and an encoder in train mode with
+    its Dropout modules in eval drops nothing. The fast modules read the block's mode instead:
+    MC dropout silently did nothing."""
+    config = encoder_config(dropout=0.2)
+    ref, fast = encoder_pair(config, backend=backend)
+    tokens, segments = random_inputs(B, L, config["vocab_size"])
+    valid_lens = torch.tensor([4.0, 13.0, 7.0])
+    with torch.no_grad():
+        plain = fast(tokens, segments, valid_lens)
+        for dropout in (m for m in fast.modules() if isinstance(m, torch.nn.Dropout)):
+            dropout.train()
+        assert max_err(fast(tokens, segments, valid_lens), plain) > 1e-2, "MC dropout must drop"
+        for encoder in (ref, fast):
+            encoder.train()
+            for dropout in (m for m in encoder.modules() if isinstance(m, torch.nn.Dropout)):
+                dropout.eval()
+        assert_close(fast(tokens, segments, valid_lens), ref(tokens, segments, valid_lens), FLOOR[torch.float32],
+                     what="train mode, every Dropout module in eval")
