@@ -661,13 +661,14 @@ def format_markdown(records):
 
 
 def table_from_files(paths):
-    records = [load_record(path) for path in paths]
-    for path, record in zip(paths, records):
+    parts = []
+    for path in paths:
+        record = load_record(path)
         try:
-            format_markdown([record])
-        except ValueError as error:
+            parts.append(format_markdown([record]))
+        except ValueError as error:     # not a record of ours: name the file
             raise ValueError(f"{path}: {error}") from error
-    return format_markdown(records)
+    return "\n\n".join(parts)
 
 
 # --------------------------------------------------------------------------- README

@@ -182,8 +182,7 @@ class FastMultiHeadAttention(nn.Module):
         packed valid tokens of a self-attention and ``unpadding`` says where they sit."""
         # The dropout module's own mode, as the reference's module call follows it (MC dropout
         # turns the Dropout modules of an eval model on).
-        dropout = self._modules["dropout"]
-        dropout_p = dropout.p if dropout.training else 0.0
+        dropout_p = _dropout_rate(self._modules["dropout"])
         backend = backend_of(self.backend, queries)
         if unpadding is not None:
             context = ops.unpadded_self_attention(self._qkv(queries), self.num_heads, unpadding, valid_lens,
