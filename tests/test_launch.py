@@ -11,6 +11,7 @@ process without TRITON_INTERPRET, through Triton's own launcher on kernels compi
 sm_90, with the driver's launches counted instead of made (host_bench.gpu_launch_path).
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 from bert_fast import host_bench, kernel_resources
+from bert_fast.backend import available_backends
 from bert_fast.ops._triton import HAS_TRITON, launch
 from tests.helpers import needs_kernels
 
@@ -308,3 +310,74 @@ def test_sanitizer_workload_launches_every_kernel(capsys):
     assert sanitize_kernels.main(["--dtype", "fp32", "--heads", "2x32"]) == 0
     out = capsys.readouterr().out
     assert f"of {len(kernel_resources.defined_kernels())} kernels" in out, out
+
+
+@needs_kernels
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the two-GPU test below runs it for real")
+def test_launches_on_a_tensor_of_another_device_make_that_device_current(monkeypatch):
+    """Triton launches on the current CUDA device; a model on "cuda:1" called without
+    torch.cuda.set_device(1) must still have its kernels launched on cuda:1 (launch() wraps the
+    launcher in torch.cuda.device, as PyTorch's and the extension's ops guard their device).
+    Here, on the CPU kernels, every tensor is made to look as if it were on device 1 while 0 is
+    current: every launch of a forward and backward (triton and cuda backends) must switch, and
+    give the results of the unswitched run."""
+    from bert_fast.ops import _triton
+    from bert_fast.ops._triton import kernels_on_cpu
+    from tests.helpers import encoder_config, encoder_pair, random_inputs
+
+    asked, switched = [], []
+
+    @contextlib.contextmanager
+    def device(index):
+        assert not switched or switched[-1] != "in", "no nested switch"
+        switched.append("in")
+        yield
+        switched[-1] = index
+
+    def run(fast, tokens, segments):
+        with kernels_on_cpu():
+            out = fast(tokens, segments, torch.tensor([3.0, 7.0]))
+            out.square().sum().backward()
+        return out.detach(), [p.grad for p in fast.parameters() if p.grad is not None]
+
+    for backend in [b for b in ("triton", "cuda") if b in available_backends()]:
+        _, fast = encoder_pair(encoder_config(num_heads=2, head_dim=16, num_layers=1, ffn=48), backend=backend)
+        fast.train()
+        tokens, segments = random_inputs(2, 7, 50)
+        out, grads = run(fast, tokens, segments)
+        fast.zero_grad()
+        asked.clear(), switched.clear()
+        with monkeypatch.context() as patch:
+            patch.setattr(_triton, "_other_cuda_device", lambda like: asked.append(like) or 1)
+            patch.setattr(torch.cuda, "device", device)
+            switched_out, switched_grads = run(fast, tokens, segments)
+        assert len(asked) >= 4, f"{backend}: {len(asked)} launches"   # forward + backward kernels
+        assert switched == [1] * len(asked), f"{backend}: every launch switches to device 1, once"
+        torch.testing.assert_close(switched_out, out, rtol=0, atol=0)
+        assert len(switched_grads) == len(grads) > 0
+        for g, expected in zip(switched_grads, grads):
+            torch.testing.assert_close(g, expected, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_model_on_the_second_device_with_the_first_current(backend):
+    """A model moved to cuda:1 while cuda:0 is current (no torch.cuda.set_device): values and
+    gradients equal the same model's on cuda:0."""
+    from tests.helpers import encoder_config, encoder_pair, random_inputs
+    if backend not in available_backends():
+        pytest.skip(f"backend {backend} unavailable")
+    _, fast = encoder_pair(encoder_config(num_heads=2, head_dim=32, num_layers=2), backend=backend)
+    fast.train()
+    tokens, segments = random_inputs(2, 37, 50)
+    results = []
+    for device in ("cuda:0", "cuda:1"):
+        torch.cuda.set_device(0)
+        model = fast.to(device)
+        model.zero_grad()
+        out = model(tokens.to(device), segments.to(device), torch.tensor([5.0, 37.0], device=device))
+        out.square().sum().backward()
+        torch.cuda.synchronize(device)
+        results.append([out.detach().cpu()] + [p.grad.cpu() for p in model.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a)

@@ -117,7 +117,7 @@ def launch(kernel, like):
     """``kernel``, ready for ``[grid](...)``; ``like`` is one of the tensors it is launched on.
 
     Eager, on plain tensors: the kernel's _EagerLauncher (Triton's launcher, with what it works
-    out per call kept per kind of call).
+    out per call kept per kind of call), launched with ``like``'s device current (_OnDevice).
     While torch.compile, torch.export or make_fx trace (fake or functional tensors, a proxy
     mode): torch.library.wrap_triton(kernel), which puts the launch in the graph. wrap_triton
     outside a triton_op's eager dispatch (which switches it off) is not free: every launch goes
@@ -131,10 +131,43 @@ def launch(kernel, like):
     """
     traced = torch.compiler.is_compiling() or torch._C._get_dispatch_mode(_PROXY_MODE) is not None
     if type(like) is torch.Tensor and not traced:
-        return eager_launcher(kernel)
+        launcher = eager_launcher(kernel)
+        index = _other_cuda_device(like)
+        return launcher if index is None else _OnDevice(launcher, index)
     if HAS_TRITON and _interpreted(kernel):
         return kernel
     return torch.library.wrap_triton(kernel)
+
+
+def _other_cuda_device(like):
+    """The index of ``like``'s CUDA device when that is not the current device, else None."""
+    if like.is_cuda:
+        index = like.get_device()
+        # torch.cuda.current_device() less its lazy-init check: with a CUDA tensor in hand, CUDA
+        # is initialised.
+        if index != torch._C._cuda_getDevice():
+            return index
+    return None
+
+
+class _OnDevice:
+    """A launcher for tensors on another CUDA device than the current one: Triton launches on
+    the current device (its kernel loaded there, that device's stream), which for tensors on
+    another GPU is an illegal address (or another device's stream) - the case of a model moved
+    to "cuda:1" without torch.cuda.set_device(1). PyTorch's own ops and our extension's switch
+    to their tensors' device (a device guard); this does the same around the launch. Inside
+    torch.compile's graphs Inductor sets the device itself."""
+
+    def __init__(self, launcher, index):
+        self.launcher, self.index = launcher, index
+
+    def __getitem__(self, grid):
+        launch_on_grid = self.launcher[grid]
+
+        def on_device(*args, **kwargs):
+            with torch.cuda.device(self.index):
+                return launch_on_grid(*args, **kwargs)
+        return on_device
 
 
 def eager_launcher(kernel):
