@@ -393,6 +393,42 @@ def test_one_kernel_backward_matches_the_two_kernels(case, dtype, monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("one_kernel", [False, True], ids=["two-kernels", "one-kernel"])
+@pytest.mark.parametrize("dtype, shift", [(torch.float32, 24.0), (torch.float16, 4.0)], ids=["fp32", "fp16"])
+def test_rows_whose_scores_are_all_very_negative_get_finite_gradients(dtype, shift, one_kernel, monkeypatch):
+    """Every score of every row far below 0 (LSE about -94 in fp32, -14 in fp16), no valid_lens,
+    and key slots past the sequence's end in the last key block (L 20 and 13, 16-key blocks in
+    the interpreter): those slots read K = 0, a score of 0, and exp(0 - LSE) overflowed (fp32 past
+    3.4e38; fp16 once dS is cast) into inf * 0 = NaN in dQ, padded and varlen (skip_padding),
+    where the reference's gradients are finite."""
+    if one_kernel:
+        monkeypatch.setattr(ATTENTION, "ONE_KERNEL_BACKWARD_MAX_SEQLEN", 128)
+    gen = torch.Generator().manual_seed(0)
+    batch, seqlen, d = 2, 20, 16
+
+    def noise():
+        return 0.05 * torch.randn(batch, seqlen, d, generator=gen)
+    qkv = torch.cat([1.0 + noise(), -shift + noise(), torch.randn(batch, seqlen, d, generator=gen)], -1)
+    grad_out = torch.randn(batch, seqlen, d, generator=gen)
+    qkv, grad_out = qkv.to(DEVICE, dtype), grad_out.to(DEVICE, dtype)
+    out, lse = _attention_fwd_triton(qkv, None, 1, 0.0, None)
+    assert lse.max() < (-90 if dtype == torch.float32 else -12), "the case needs very negative scores"
+    dqkv = _attention_bwd_triton(grad_out, qkv, out, lse, None, 1, 0.0, None)
+    _, _, dqkv64 = reference_with_grad(qkv, grad_out, 1)
+    assert_close(dqkv.double(), dqkv64, atol=FLOOR[dtype], rtol=0, what="padded dqkv")
+
+    valid_lens = torch.tensor([20, 13], device=DEVICE)
+    unpadding = ops.unpadding_for(valid_lens, seqlen)
+    packed, grad_packed = ops.unpad(qkv, unpadding), ops.unpad(grad_out, unpadding)
+    args = (unpadding.cu_seqlens, 1, seqlen, 0.0, None)
+    out_v, lse_v = _varlen_attention_fwd_triton(packed, *args)
+    dqkv_v = _varlen_attention_bwd_triton(grad_packed, packed, out_v, lse_v, *args)
+    # The reference on the padded batch, padded rows given no gradient.
+    _, _, dqkv64 = reference_with_grad(qkv, ops.pad(grad_packed, unpadding), 1, valid_lens)
+    assert_close(dqkv_v.double(), ops.unpad(dqkv64, unpadding), atol=FLOOR[dtype], rtol=0, what="varlen dqkv")
+
+
+@needs_kernels
 def test_one_kernel_backward_leaves_longer_sequences_to_the_two_kernels(monkeypatch):
     monkeypatch.setattr(ATTENTION, "ONE_KERNEL_BACKWARD_MAX_SEQLEN", 16)
     launched = launched_kernels(monkeypatch)

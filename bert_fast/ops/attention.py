@@ -374,6 +374,11 @@ def _attention_bwd_dkdv_kernel(
                              mask=query_ok, other=0)
             visible_t = keys[:, None] < counts[None, :]
             s_t = tl.where(visible_t, s_t, _MASKED_SCORE_LOG2)
+        elif WITH_DQ:
+            # Key slots past the end (K = 0, score 0) as in the forward: exp2(0 - LSE) overflows
+            # where every score of a row is very negative, and inf * 0 in dQ's dot is NaN.
+            # (Without WITH_DQ those slots' dK, dV rows are never stored.)
+            s_t = tl.where((keys < seq_len)[:, None], s_t, float("-inf"))
         p_t = tl.exp2(s_t - lse_hi[None, :] - lse_lo[None, :])
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
@@ -468,6 +473,11 @@ def _attention_bwd_dq_kernel(
         if HAS_VALID_LENS:
             visible = keys[None, :] < counts[:, None]
             s = tl.where(visible, s, _MASKED_SCORE_LOG2)
+        else:
+            # Key slots past the end (K = 0, score 0) as in the forward: exp2(0 - LSE) overflows
+            # where every score of a row is very negative (fp16: below ~-11), and inf * 0 in the
+            # dot below is NaN. (With valid_lens, ds's where() below drops them.)
+            s = tl.where((keys < seq_len)[None, :], s, float("-inf"))
         p = tl.exp2(s - lse_hi[:, None] - lse_lo[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
