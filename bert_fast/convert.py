@@ -87,17 +87,17 @@ _HOOK_ATTRIBUTES = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_ho
 def _carried_and_adopted(blk):
     """The modules of reference block ``blk`` whose hooks the fast block keeps: the ones it
     replaces by fast modules taking the same arguments (the block, attention, AddNorms, FFN:
-    their hooks are carried over), and the ones it adopts (Linears, LayerNorms, AddNorm
-    dropouts: the same objects)."""
+    their hooks are carried over), and the ones it adopts (Linears, the FFN's activation,
+    LayerNorms, AddNorm dropouts: the same objects)."""
     attention, ffn, addnorms = blk.attention, blk.ffn, (blk.addnorm1, blk.addnorm2)
-    adopted = (attention.W_q, attention.W_k, attention.W_v, attention.W_o, ffn.dense1, ffn.dense2,
+    adopted = (attention.W_q, attention.W_k, attention.W_v, attention.W_o, ffn.dense1, ffn.relu, ffn.dense2,
                *(a.ln for a in addnorms), *(a.dropout for a in addnorms))
     return (blk, attention, ffn, *addnorms), adopted
 
 
 def _require_no_dropped_hooks(blk):
     """A hook on a module of ``blk`` that the fast block has no counterpart of (the attention's
-    DotProductAttention, whose weights the fast attention never materialises; the FFN's ReLU),
+    DotProductAttention, whose weights the fast attention never materialises),
     or a forward set on a module the fast block replaces (accelerate's hooks do that), would be
     lost: such a block is left as it is."""
     carried, adopted = _carried_and_adopted(blk)
@@ -126,7 +126,7 @@ def _adopt_block(fast, blk):
         setattr(fast.attention, name, getattr(blk.attention, name))
     fast.addnorm1.ln, fast.addnorm2.ln = blk.addnorm1.ln, blk.addnorm2.ln
     fast.addnorm1.dropout, fast.addnorm2.dropout = blk.addnorm1.dropout, blk.addnorm2.dropout
-    fast.ffn.dense1, fast.ffn.dense2 = blk.ffn.dense1, blk.ffn.dense2
+    fast.ffn.dense1, fast.ffn.relu, fast.ffn.dense2 = blk.ffn.dense1, blk.ffn.relu, blk.ffn.dense2
     for old, new in zip(_carried_and_adopted(blk)[0], (fast, fast.attention, fast.ffn, fast.addnorm1, fast.addnorm2)):
         _carry_hooks(old, new)
     # The adopted W_q/W_k/W_v move into one buffer (same Parameter objects, same values).

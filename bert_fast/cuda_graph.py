@@ -112,7 +112,8 @@ that replay, discards its output and runs again, checking first (and keeps check
 a submodule stays in training mode). (So memory replaced since the last call is released at the
 next call, or by ``clear_cuda_graphs``; a call on CPU inputs, e.g. after ``.cpu()``, drops the
 snapshot.) Any difference drops every graph of the encoder. Not followed: attributes changed by
-hand on submodules (activation, eps, num_heads, hooks added after capture), and writes into a
+hand on submodules (eps, num_heads, a GELU's approximate, hooks added after capture), a Parameter
+given another layout at the same address (``p.data = p.data.t()``), and writes into a
 module's ``_modules`` dict that keep its length: call ``clear_cuda_graphs(encoder)`` after
 those. (A tensor written into ``_parameters``/``_buffers``, as torch.func.functional_call and
 accelerate do, is seen: the address check reads through those dicts.) Hooks on the encoder run

@@ -80,7 +80,7 @@ from .cuda_graph import _Bucket, _Calls, _is_ids, _sliced, bucket_batch, bucket_
     clear_cuda_graphs, graphed
 from .ops._triton import values_on_host
 from .modules import _ACTIVATION_FUNCTIONS, _GLOBAL_HOOKS, _hook_dicts, _linear, _pack_back_to_back_, \
-    _dropout_rate, _parameters_read, _QKVPacking, fused_layer
+    _dropout_rate, _parameters_read, _QKVPacking, fused_layer, packed_qkv
 from .ops.embedding_layernorm import embedding_layernorm
 
 
@@ -395,28 +395,10 @@ class FastBertLayer(BertLayer):
         """The (…, 3H) packed Q/K/V projection of X."""
         attn = self.attention.self
         linears = (attn.query, attn.key, attn.value)
-        if not all(type(m) is nn.Linear for m in linears):
+        # (Pruning takes "weight" or "bias" out of _parameters: such a Linear is called.)
+        if not all(type(m) is nn.Linear and "weight" in m._parameters and "bias" in m._parameters for m in linears):
             return torch.cat([_linear(m, X) for m in linears], dim=-1)
-        weights = tuple(m.weight for m in linears)
-        biases = tuple(m.bias for m in linears if m.bias is not None)
-        params = weights + biases
-        training = torch.is_grad_enabled() and any(p.requires_grad for p in params)
-        if not training and not torch.compiler.is_compiling() and len(biases) in (0, 3):
-            packing = self._qkv_packing      # pack_qkv_'s views, while they hold these Parameters
-            if packing is None or not packing.holds(params):
-                packing = _QKVPacking.of(params)
-                if packing is not None:
-                    self._qkv_packing = packing
-            if packing is not None:
-                return F.linear(X, packing.weight, packing.bias)
-        weight = torch.cat(weights)
-        if len(biases) == 3:
-            bias = torch.cat(biases)
-        elif biases:      # some but not all projections have a bias
-            bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
-        else:
-            bias = None
-        return F.linear(X, weight, bias)
+        return F.linear(X, *packed_qkv(self, linears))
 
     def fused_forward(self, X, mask):
         """The layer on (B, L, H) hidden states (or (N, H) packed ones with skip_padding):

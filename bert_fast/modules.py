@@ -71,6 +71,21 @@ def _linear(module, x):
 
 
 _ACTIVATION_FUNCTIONS = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
+_ACTIVATION_MODULES = {"relu": nn.ReLU, "gelu": nn.GELU, "gelu_tanh": partial(nn.GELU, approximate="tanh")}
+
+
+def activation_name(module):
+    """The ops' name of what ``module`` computes ("relu", "gelu", "gelu_tanh") where a forward
+    may compute it instead of calling it: a plain nn.ReLU or nn.GELU (no hook, no forward set
+    on the instance); else None."""
+    cls = type(module)
+    if cls is nn.ReLU:
+        name = "relu"
+    elif cls is nn.GELU:
+        name = "gelu" if module.approximate == "none" else "gelu_tanh"
+    else:
+        return None
+    return name if _all_plain((module,)) else None
 
 
 def _normalized_size(norm_shape, num_hiddens):
@@ -121,28 +136,9 @@ class FastMultiHeadAttention(nn.Module):
         return tuple(p["weight"] for p in projections) + tuple(p["bias"] for p in projections if p["bias"] is not None)
 
     def _packed_qkv(self):
-        """(3H, in) weight and (3H,) bias (or None) of the packed projection.
-
-        Where autograd records nothing (inference), the packed weight is the buffer W_q, W_k and
-        W_v lie in back to back (pack_qkv_, done at construction, after ``.to()`` and after
-        ``load_state_dict``), their live memory: no copy. The buffer is remembered with the
-        Parameters and their addresses (_QKVPacking): while it is held its memory cannot be
-        reused, so the same Parameters at the same addresses are still its parts. Under autograd
-        (and for Parameters not packed, and while torch.compile traces) they are concatenated:
-        the concatenation's native autograd costs the host less than a Function handing each
-        Parameter its slice of the gradient (measured), and training reads each weight once.
-        """
-        params = self._qkv_params()
-        if not (torch.is_grad_enabled() and any(p.requires_grad for p in params)) and not torch.compiler.is_compiling():
-            packing = self._qkv_packing
-            if packing is None or not packing.holds(params):
-                packing = _QKVPacking.of(params)
-                if packing is not None:
-                    self._qkv_packing = packing
-            if packing is not None:
-                return packing.weight, packing.bias
-        weights, biases = params[:3], params[3:]
-        return torch.cat(weights), torch.cat(biases) if biases else None
+        """(3H, in) weight and (3H,) bias (or None) of the packed projection (packed_qkv)."""
+        sub = self._modules
+        return packed_qkv(self, (sub["W_q"], sub["W_k"], sub["W_v"]))
 
     def _qkv(self, X):
         """The packed (..., 3H) projection of X: one GEMM, or, where W_q, W_k or W_v must be
@@ -163,7 +159,8 @@ class FastMultiHeadAttention(nn.Module):
         ``load_state_dict`` (also with ``assign=True``); call it after replacing the Parameters
         by hand. The Parameters stay the same objects (their ``.data`` is moved; optimizers and
         ``optimize()``'s sharing are kept); state_dict keys and values are unchanged (the three
-        share one storage: ``torch.save`` and safetensors keep them as three tensors). Meta
+        share one storage: ``torch.save`` and safetensors' ``save_file`` keep them as three tensors;
+        safetensors' ``save_model``/``load_model`` refuse views of a shared storage). Meta
         tensors, tensor subclasses (FSDP's DTensors) and Parameters of different dtype, device
         or width are left as they are (the concatenation stays). Returns self.
         """
@@ -219,11 +216,45 @@ def _back_to_back_view(tensors):
     return first.detach().as_strided((rows, *row_shape), first.stride(), first.storage_offset())
 
 
+def packed_qkv(holder, projections):
+    """The (3H, in) weight and (3H,) bias (or None) of the Q, K and V nn.Linear ``projections``
+    (their Parameters in ``_parameters``) read as one.
+
+    Where autograd records nothing (inference), the packed weight is the buffer the three
+    weights lie in back to back (pack_qkv_, done at construction, after ``.to()`` and after
+    ``load_state_dict``), their live memory: no copy. The buffer is remembered in
+    ``holder._qkv_packing`` with the Parameters and their layouts (_QKVPacking): while it is
+    held its memory cannot be reused, so the same Parameters with the same addresses, shapes
+    and strides are still its parts. Under autograd (and for Parameters not packed, and while
+    torch.compile traces) they are concatenated: the concatenation's native autograd costs the
+    host less than a Function handing each Parameter its slice of the gradient (measured), and
+    training reads each weight once. Where some projections have a bias and some not, the
+    missing ones are zeros."""
+    parameters = [m._parameters for m in projections]
+    weights = tuple([p["weight"] for p in parameters])
+    biases = tuple([p["bias"] for p in parameters if p["bias"] is not None])
+    params = weights + biases
+    if (len(biases) in (0, 3) and not (torch.is_grad_enabled() and any(p.requires_grad for p in params))
+            and not torch.compiler.is_compiling()):
+        packing = holder._qkv_packing
+        if packing is None or not packing.holds(params):
+            packing = _QKVPacking.of(params)
+            if packing is not None:
+                holder._qkv_packing = packing
+        if packing is not None:
+            return packing.weight, packing.bias
+    if len(biases) not in (0, 3):
+        biases = [p["bias"] if p["bias"] is not None else p["weight"].new_zeros(p["weight"].shape[0])
+                  for p in parameters]
+    return torch.cat(weights), torch.cat(biases) if biases else None
+
+
 class _QKVPacking(NamedTuple):
     """The packed QKV weight and bias (views of one buffer each, detached), the Parameters
-    they are made of, and those Parameters' addresses when the views were made."""
+    they are made of, and those Parameters' layouts (address, shape, strides) when the views
+    were made."""
     params: tuple
-    addresses: tuple
+    layouts: tuple
     weight: torch.Tensor
     bias: torch.Tensor | None
 
@@ -234,14 +265,19 @@ class _QKVPacking(NamedTuple):
         bias = _back_to_back_view(params[3:]) if len(params) > 3 else None
         if weight is None or (len(params) > 3 and bias is None):
             return None
-        return cls(params, tuple(p.data_ptr() for p in params), weight, bias)
+        return cls(params, tuple(_layout(p) for p in params), weight, bias)
 
     def holds(self, params):
-        """Whether ``params`` are still the packed ones, at the same addresses: the views hold
-        the buffer, so its memory cannot have been handed to another tensor."""
+        """Whether ``params`` are still the packed ones, laid out as they were: the views hold
+        the buffer, so its memory cannot have been handed to another tensor; the shape and
+        strides, because ``p.data = p.data.t()`` keeps the address (~1.5 us a layer more than
+        the address alone for 6 Parameters, timeit on the CI machine's CPU)."""
         return (len(params) == len(self.params)
-                and all(p is q and p.data_ptr() == address
-                        for p, q, address in zip(params, self.params, self.addresses)))
+                and all(p is q and _layout(p) == layout for p, q, layout in zip(params, self.params, self.layouts)))
+
+
+def _layout(t):
+    return t.data_ptr(), t.shape, t.stride()
 
 
 def _packable(params):
@@ -291,6 +327,11 @@ class FastAddNorm(AddNorm):
 
 
 class FastPositionWiseFFN(nn.Module):
+    """The reference PositionWiseFFN, ``dense2(relu(dense1(X)))``, with dense1's bias and the
+    activation in one op. ``relu`` is the activation module under the book's name, whatever it
+    computes: nn.ReLU, or nn.GELU for activation "gelu"/"gelu_tanh". Another module put there
+    (or one with a hook) is called, as the reference calls it."""
+
     def __init__(self, ffn_num_input, ffn_num_hiddens, ffn_num_outputs, *, activation="relu",
                  backend=None, **kwargs):
         super().__init__(**kwargs)
@@ -300,19 +341,26 @@ class FastPositionWiseFFN(nn.Module):
         self.backend = resolve_backend(backend)
         if activation not in ops.ACTIVATIONS:
             raise ValueError(f"activation must be one of {ops.ACTIVATIONS}, got {activation!r}")
-        self.activation = activation
         self.dense1 = nn.Linear(ffn_num_input, ffn_num_hiddens)
+        self.relu = _ACTIVATION_MODULES[activation]()
         self.dense2 = nn.Linear(ffn_num_hiddens, ffn_num_outputs)
 
+    @property
+    def activation(self):
+        """The ops' name of what ``relu`` computes ("relu", "gelu", "gelu_tanh"), or None where
+        the module is called."""
+        return activation_name(self._modules["relu"])
+
     def forward(self, X):
-        dense1 = self._modules["dense1"]
-        if _parameters_read(dense1, nn.Linear):
+        sub = self._modules
+        dense1, activation = sub["dense1"], activation_name(sub["relu"])
+        if activation is not None and _parameters_read(dense1, nn.Linear):
             params = dense1._parameters
-            hidden = ops.linear_act(X, params["weight"], params["bias"], self.activation,
+            hidden = ops.linear_act(X, params["weight"], params["bias"], activation,
                                     backend=backend_of(self.backend, X))
         else:
-            hidden = _ACTIVATION_FUNCTIONS[self.activation](dense1(X))
-        return _linear(self._modules["dense2"], hidden)
+            hidden = sub["relu"](dense1(X))
+        return _linear(sub["dense2"], hidden)
 
 
 class FastEncoderBlock(nn.Module):
@@ -390,9 +438,12 @@ class FastEncoderBlock(nn.Module):
         p = _dropout_rate(a["dropout"])
         if not p == _dropout_rate(n1["dropout"]) == _dropout_rate(n2["dropout"]):
             return None
+        activation = activation_name(f["relu"])
+        if activation is None:
+            return None
         key_mask = ops.prepare_key_mask(valid_lens, X.shape[1], backend, X.dtype) if unpadding is None else unpadding
         return fused_layer(X, key_mask, backend, attention.num_heads, float(p),
-                           ffn.activation, (a["W_q"], a["W_k"], a["W_v"], w_o, f["dense1"], dense2),
+                           activation, (a["W_q"], a["W_k"], a["W_v"], w_o, f["dense1"], dense2),
                            (n1["ln"], n2["ln"]), attention)
 
 

@@ -1,5 +1,6 @@
 """optimize(): swap reference-style encoders/blocks, sharing the very same Parameters."""
 
+import copy
 import warnings
 
 import pytest
@@ -9,6 +10,7 @@ from torch import nn
 import bert_fast
 from bert_fast import FastBERTEncoder, FastEncoderBlock
 from bert_fast import reference as R
+from bert_fast.backend import available_backends
 from tests.helpers import assert_close, encoder_config, random_inputs
 
 B, L = 3, 11
@@ -226,3 +228,53 @@ def test_hooks_of_the_replaced_modules_carry_over():
     with pytest.warns(UserWarning, match="a hook on attention.attention, a module the fast block does not have"):
         bert_fast.optimize(model)
     assert not isinstance(model.encoder, FastBERTEncoder)
+
+
+def _transpose_w_q(model):
+    w = model.encoder.blks[0].attention.W_q.weight
+    w.data = w.data.t()          # the same address, other strides: the packed view is stale
+
+
+def _drop_w_q_bias(model):
+    model.encoder.blks[0].attention.W_q.bias = None     # K and V keep theirs
+
+
+def _gelu_activations(model):
+    for blk in model.encoder.blks:
+        blk.ffn.relu = nn.GELU()
+
+
+def _tanh_activation(model):
+    model.encoder.blks[1].ffn.relu = nn.Tanh()          # no fused op for it: the module is called
+
+
+def _hook_on_an_activation(model):
+    model.encoder.blks[0].ffn.relu.register_forward_hook(lambda module, args, out: out * 0.5)
+
+
+@pytest.mark.parametrize("change", [_transpose_w_q, _drop_w_q_bias, _gelu_activations, _tanh_activation,
+                                    _hook_on_an_activation], ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("backend", available_backends())
+def test_a_model_changed_by_hand_after_optimize_computes_as_the_reference(backend, change):
+    """Edits made after optimize() to what the fast modules read: a weight given another layout
+    at its address (the packed QKV view kept reading the old one: 0.5 off), a Q bias removed
+    (a shape error), the FFN's activation module replaced or hooked (ignored: the fast FFN kept
+    its own ReLU, 0.29 off with GELU). Values (no_grad and with autograd) and gradients in fp64."""
+    model = bert_model().double()
+    reference = copy.deepcopy(model)
+    bert_fast.optimize(model, backend=backend)
+    for m in (model, reference):
+        change(m)
+    args = inputs()
+    with torch.no_grad():
+        for a, b in zip(model(*args), reference(*args)):
+            assert_close(a, b, atol=1e-10, what="no_grad outputs")
+    for m in (model, reference):
+        m.train()          # dropout 0: the training path
+        _, mlm, nsp = m(*args)
+        (mlm.square().mean() + nsp.square().mean()).backward()
+    grads = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+    assert grads and {name for name, p in model.named_parameters() if p.grad is not None} == set(grads)
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            assert_close(p.grad, grads[name], atol=1e-10, what=f"{name} gradient")

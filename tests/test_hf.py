@@ -1072,3 +1072,21 @@ def test_traced_model_is_not_specialised_on_the_traced_mask(tracer):
         with torch.no_grad():
             assert_close(traced(ids, mask, types), ref(ids, mask, types).last_hidden_state, ATOL,
                          what=f"traced on a prefix mask, called with {name}")
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_a_weight_given_another_layout_at_its_address_is_read_anew(backend):
+    """``key.weight.data = key.weight.data.t()`` keeps the address: the packed QKV view kept
+    reading the old layout (found by review); the layout is part of what the packing checks."""
+    ref, fast = hf_pair(config(hidden=32, heads=4), backend=backend)
+    ref, fast = ref.double(), fast.double()
+    for model in (ref, fast):
+        w = model.encoder.layer[0].attention.self.key.weight
+        w.data = w.data.t()
+    ids, types = inputs(2, 7)
+    mask = make_mask("prefix", 2, 7)
+    with torch.no_grad():
+        assert_close(fast(ids, mask, types).last_hidden_state, ref(ids, mask, types).last_hidden_state, 1e-10,
+                     what="no_grad output")
+    assert_close(fast(ids, mask, types).last_hidden_state, ref(ids, mask, types).last_hidden_state, 1e-10,
+                 what="output under autograd")
