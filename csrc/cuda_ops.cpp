@@ -42,7 +42,14 @@ DType kernel_dtype(at::ScalarType dtype) {
   }
 }
 
-void check_launch(int error) { C10_CUDA_CHECK(static_cast<cudaError_t>(error)); }
+// The launchers answer cudaErrorInvalidValue for sizes past what their grids can cover (e.g.
+// the embedding backward's 65535 column tiles: H above ~2M); said as the caller's ValueError,
+// with the sizes. Any other error is CUDA's.
+void check_launch(int error, const char* op, int64_t rows, int64_t hidden) {
+  TORCH_CHECK_VALUE(error != cudaErrorInvalidValue, "the CUDA ", op, " kernel cannot run ", rows,
+                    " rows of H = ", hidden, " (past its launch limits); use backend='torch'");
+  C10_CUDA_CHECK(static_cast<cudaError_t>(error));
+}
 
 void check_on_device(const char* name, const at::Tensor& t, const at::Device& device) {
   TORCH_CHECK_VALUE(t.device() == device, name, " is on ", t.device(), ", expected ", device,
@@ -100,7 +107,8 @@ at::Tensor embedding_sum_fwd_cuda(const at::Tensor& tokens, const at::Tensor& se
       kernel_dtype(token_weight.scalar_type()), out.mutable_data_ptr(), ids_ptr(token_ids), ids_ptr(segment_ids),
       ids_ptr(position_ids), token_table.const_data_ptr(), token_table.stride(0), segment_table.const_data_ptr(),
       segment_table.stride(0), pos_table.const_data_ptr(), pos_table.stride(1), rows, tokens.size(-1), hidden,
-      token_table.size(0), segment_table.size(0), max_len, c10::cuda::getCurrentCUDAStream()));
+      token_table.size(0), segment_table.size(0), max_len, c10::cuda::getCurrentCUDAStream()),
+      "embedding_sum", rows, hidden);
   return out;
 }
 
@@ -134,7 +142,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> embedding_sum_bwd_cuda(
         kernel_dtype(grad.scalar_type()), grad.const_data_ptr(), ids_ptr(token_ids), ids_ptr(segment_ids),
         ids_ptr(position_ids), token_acc.mutable_data_ptr<float>(), segment_acc.mutable_data_ptr<float>(),
         pos_acc.defined() ? pos_acc.mutable_data_ptr<float>() : nullptr, rows, tokens.size(-1), hidden, n_tokens,
-        n_segments, max_len, c10::cuda::getCurrentCUDAStream()));
+        n_segments, max_len, c10::cuda::getCurrentCUDAStream()), "embedding_sum backward", rows, hidden);
   }
   const at::ScalarType dtype = grad_out.scalar_type();
   // .to is a no-op for fp32, where the accumulators already are the outputs.
@@ -177,7 +185,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_layernorm_fwd_cuda(
   const std::optional<at::Tensor> weight1 = weight.has_value() ? std::optional(weight->contiguous()) : std::nullopt;
   const std::optional<at::Tensor> bias1 = bias.has_value() ? std::optional(bias->contiguous()) : std::nullopt;
   const int64_t rows = x2.size(0);
-  at::Tensor out = at::empty({rows, hidden}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  // x's shape, contiguous (the kernel's (rows, H) layout): not a view of a (rows, H) tensor,
+  // which, returned from the autograd Function, could not be modified in place.
+  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   const auto fp32 = x.options().dtype(at::kFloat);
   at::Tensor mean = at::empty({rows}, fp32);
   at::Tensor rstd = at::empty({rows}, fp32);
@@ -187,9 +197,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_layernorm_fwd_cuda(
         kernel_dtype(x.scalar_type()), out.mutable_data_ptr(), mean.mutable_data_ptr<float>(),
         rstd.mutable_data_ptr<float>(), x2.const_data_ptr(), residual2.const_data_ptr(), optional_ptr(weight1),
         optional_ptr(bias1), rows, hidden, static_cast<float>(eps),
-        dropout ? seed->const_data_ptr<int64_t>() : nullptr, dropout_p, c10::cuda::getCurrentCUDAStream()));
+        dropout ? seed->const_data_ptr<int64_t>() : nullptr, dropout_p, c10::cuda::getCurrentCUDAStream()),
+        "add_layernorm", rows, hidden);
   }
-  return {out.view(x.sizes()), mean, rstd};
+  return {out, mean, rstd};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layernorm_bwd_cuda(
@@ -218,8 +229,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layernorm_bwd_cud
   const auto options = x.options().memory_format(at::MemoryFormat::Contiguous);
   const auto fp32 = options.dtype(at::kFloat);
 
-  at::Tensor d_residual = at::empty({rows, hidden}, options);
-  at::Tensor d_x = dropout ? at::empty({rows, hidden}, options) : at::empty({0}, options);
+  at::Tensor d_residual = at::empty(x.sizes(), options);
+  at::Tensor d_x = dropout ? at::empty(x.sizes(), options) : at::empty({0}, options);
   at::Tensor d_weight = at::empty({0}, options);
   at::Tensor d_bias = at::empty({0}, options);
   if (rows == 0) {
@@ -228,7 +239,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layernorm_bwd_cud
   } else {
     int64_t partial_rows = 0;
     check_launch(add_layernorm_bwd_partial_rows(kernel_dtype(x.scalar_type()), rows, hidden, dropout_p,
-                                                x.device().index(), &partial_rows));
+                                                x.device().index(), &partial_rows),
+                                                "add_layernorm backward", rows, hidden);
     // Scratch for the kernel's partial rows, d_weight's then d_bias's (every block writes its
     // rows, so no zeroing); the launch sums them into d_weight / d_bias.
     const bool has_weight = weight.has_value();
@@ -244,9 +256,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layernorm_bwd_cud
         d_weight_partial, d_bias_partial, partial_rows,
         grad2.const_data_ptr(), x2.const_data_ptr(), residual2.const_data_ptr(), optional_ptr(weight1),
         mean1.const_data_ptr<float>(), rstd1.const_data_ptr<float>(), rows, hidden,
-        dropout ? seed->const_data_ptr<int64_t>() : nullptr, dropout_p, c10::cuda::getCurrentCUDAStream()));
+        dropout ? seed->const_data_ptr<int64_t>() : nullptr, dropout_p, c10::cuda::getCurrentCUDAStream()),
+        "add_layernorm backward", rows, hidden);
   }
-  return {d_residual.view(x.sizes()), dropout ? d_x.view(x.sizes()) : d_x, d_weight, d_bias};
+  return {d_residual, d_x, d_weight, d_bias};
 }
 
 // ----------------------------------------------------------------------------------------

@@ -458,6 +458,27 @@ def test_add_layernorm_bwd_validation(ops_in_child):
         bwd(x, x, x, w, stats, stats, None, 0.5, True)
 
 
+def test_a_tensor_left_on_meta_is_an_error_not_uninitialised_memory(ops):
+    """The fake kernels also answer the Meta dispatch key, which outranks CPU and CUDA: one
+    tensor left on "meta" among CPU ones (a model not fully materialised) reached them, and they
+    returned uninitialised memory (found by review); they check as the ops do."""
+    x, w, stats = torch.randn(4, 8), torch.randn(8), torch.zeros(4)
+    meta = w.to("meta")
+    with pytest.raises(ValueError, match=r"weight must be on the device of x \(cpu\), got meta"):
+        ops.ext_add_layernorm_fwd(x, x, meta, w, 1e-5, None, 0.0)
+    with pytest.raises(ValueError, match=r"bias must have shape \(8,\)"):
+        ops.ext_add_layernorm_fwd(x, x, w, torch.empty(7, device="meta"), 1e-5, None, 0.0)
+    with pytest.raises(ValueError, match=r"weight must be on the device of x \(cpu\), got meta"):
+        bert_fast.ops.add_layernorm(x, x, meta, w, backend="cuda")
+    with pytest.raises(ValueError, match=r"weight must be on the device of x \(cpu\), got meta"):
+        ops.ext_add_layernorm_bwd(x, x, x, meta, stats, stats, None, 0.0, True)
+    with pytest.raises(ValueError, match=r"rstd must be the forward's float32 \(4,\) tensor"):
+        ops.ext_add_layernorm_bwd(x, x, x, w, stats, torch.zeros(3, device="meta"), None, 0.0, True)
+    # All on meta (what torch.compile's fake tensors see): shapes, no error.
+    out, mean, rstd = ops.ext_add_layernorm_fwd(x.to("meta"), x.to("meta"), meta, meta, 1e-5, None, 0.0)
+    assert out.shape == (4, 8) and out.device.type == "meta" and mean.shape == rstd.shape == (4,)
+
+
 # ---------------------------------------------------------------------------------------------
 # backend="cuda" asks the extension before each call (extension.require_extension)
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+import bert_fast
 from bert_fast.extension import CSRC
 from bert_fast.ops._triton import HAS_TRITON
 from bert_fast.ops.add_layernorm import (_add_layernorm_bwd_cpu, _add_layernorm_fwd_cpu, add_layernorm_bwd,
@@ -337,9 +338,10 @@ def test_add_layernorm_matches_reference_cpu_and_triton(ops, dtype, hidden, rows
     check_layernorm(ops, rows, hidden, dtype)
 
 
-# 8: one pack per row; 100: no 16-byte packs in fp16/bf16 (scalar path); 1100, 3000: a block
-# per row with idle threads; 8192: the largest row.
-@pytest.mark.parametrize("hidden", [8, 100, 1100, 3000, 8192])
+# 8: one pack per row; 100: no 16-byte packs in fp16/bf16 (scalar path); 256, 384, 512: the
+# layouts for H 129-256 and 257-512 (BERT-mini, MiniLM, BERT-small); 1100, 3000: a block per row
+# with idle threads; 8192: the largest row.
+@pytest.mark.parametrize("hidden", [8, 100, 256, 384, 512, 1100, 3000, 8192])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_add_layernorm_other_widths(ops, dtype, hidden):
     check_layernorm(ops, 33, hidden, dtype)
@@ -424,6 +426,19 @@ def test_add_layernorm_dropout_matches_the_cpu_op(ops, dtype, hidden, dropout_p)
     cpu_grads = ops.ext_add_layernorm_bwd(cpu[4], cpu[0], cpu[1], cpu[2], cpu_mean, cpu_rstd, cpu[5], dropout_p, True)
     assert torch.equal(cpu_grads[1] == 0, d_x.cpu() == 0) or dropout_p == 1.0, "d_x is zero at the same elements"
     assert_close(out.cpu(), cpu_out, atol=2 * FLOOR[dtype], what="out vs the C++ CPU op")
+
+
+def test_add_layernorm_output_is_not_a_view_and_can_be_modified_in_place(ops):
+    """The op returned a view of its (rows, H) buffer: returned from the autograd Function, a
+    view cannot be modified in place ("a view ... created inside a custom Function"), so
+    ``out[:, 0] = 0`` on an encoder's output failed on backend "cuda" only (found by review)."""
+    x = torch.randn(2, 3, 64, device="cuda", requires_grad=True)
+    residual, weight, bias = torch.randn(2, 3, 64, device="cuda"), torch.randn(64, device="cuda"), None
+    out = bert_fast.ops.add_layernorm(x, residual, weight, bias, backend="cuda")
+    assert not out._is_view()
+    out[:, 0] = 0.0
+    out.sum().backward()
+    assert torch.equal(x.grad[:, 0], torch.zeros_like(x.grad[:, 0]))
 
 
 def test_add_layernorm_empty_rows(ops):

@@ -223,11 +223,13 @@ def _check_dropout_p(dropout_p):
         raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
 
 
-def _check_fwd_inputs(x, residual, weight, bias, seed, dropout_p):
+def _check_fwd_inputs(x, residual, weight, bias, seed, dropout_p, triton=True):
+    """``triton``: also the Triton kernels' own limits (H, dtypes); the extension's fake kernels
+    check the rest (its ops have limits of their own, per device)."""
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"x must have shape (..., H) with H >= 1, got {tuple(x.shape)}")
     hidden = x.shape[-1]
-    if hidden > MAX_HIDDEN:
+    if triton and hidden > MAX_HIDDEN:
         raise ValueError(f"the Triton add_layernorm supports H <= {MAX_HIDDEN}, got H = {hidden}; "
                          f"use backend='torch'")
     if residual.shape != x.shape:
@@ -235,7 +237,7 @@ def _check_fwd_inputs(x, residual, weight, bias, seed, dropout_p):
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and t.shape != (hidden,):
             raise ValueError(f"{name} must have shape ({hidden},) or be None, got {tuple(t.shape)}")
-    if x.dtype not in KERNEL_DTYPES:
+    if triton and x.dtype not in KERNEL_DTYPES:
         raise TypeError(f"the Triton add_layernorm takes float16, bfloat16 or float32, got {x.dtype}")
     for name, t in (("residual", residual), ("weight", weight), ("bias", bias)):
         if t is not None and t.dtype != x.dtype:
@@ -275,16 +277,17 @@ def _add_layernorm_fwd_triton(x, residual, weight, bias, eps, seed, dropout_p, s
     return out, mean, rstd
 
 
-def _check_bwd_inputs(grad_out, x, residual, weight, mean, rstd, seed, dropout_p):
-    _check_fwd_inputs(x, residual, weight, None, seed, dropout_p)
+def _check_bwd_inputs(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, triton=True):
+    _check_fwd_inputs(x, residual, weight, None, seed, dropout_p, triton)
     if grad_out.shape != x.shape or grad_out.dtype != x.dtype:
         raise ValueError(f"grad_out must match x: shape {tuple(x.shape)} and dtype {x.dtype}, got "
                          f"{tuple(grad_out.shape)} and {grad_out.dtype}")
     n_rows = x.numel() // x.shape[-1]
+    stats_dtype = compute_dtype(x.dtype)
     for name, t in (("mean", mean), ("rstd", rstd)):
-        if t.shape != (n_rows,) or t.dtype != torch.float32:
-            raise ValueError(f"{name} must be the forward's float32 ({n_rows},) tensor, got "
-                             f"{t.dtype} {tuple(t.shape)}")
+        if t.shape != (n_rows,) or t.dtype != stats_dtype:
+            raise ValueError(f"{name} must be the forward's {str(stats_dtype).removeprefix('torch.')} "
+                             f"({n_rows},) tensor, got {t.dtype} {tuple(t.shape)}")
 
 
 def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias,
@@ -490,15 +493,19 @@ __getattr__ = deferred_ops(__name__, _register_ops, "add_layernorm_fwd", "add_la
 # and outputs as the Triton op, so the autograd glue above serves both.
 # ----------------------------------------------------------------------------------------------
 
+# The fake kernels check what the ops check (but their per-device limits): they also answer
+# the Meta dispatch key, which outranks CPU and CUDA, so a call with one tensor left on "meta"
+# (a model not fully materialised) reaches them instead of the op's checks.
+
 def _ext_fwd_fake(x, residual, weight, bias, eps, seed, dropout_p):
-    _check_dropout_p(dropout_p)
-    check_seed(seed, dropout_p, x.device)
+    _check_fwd_inputs(x, residual, weight, bias, seed, dropout_p, triton=False)
     rows = x.numel() // x.shape[-1]
     stats_dtype = compute_dtype(x.dtype)
     return (x.new_empty(x.shape), x.new_empty(rows, dtype=stats_dtype), x.new_empty(rows, dtype=stats_dtype))
 
 
 def _ext_bwd_fake(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, has_bias):
+    _check_bwd_inputs(grad_out, x, residual, weight, mean, rstd, seed, dropout_p, triton=False)
     hidden = x.shape[-1]
     # Gradients not computed come back as (distinct) empty tensors.
     return (x.new_empty(x.shape), x.new_empty(x.shape if dropout_p > 0.0 else 0),
