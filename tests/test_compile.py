@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+import bert_fast
 from bert_fast.backend import available_backends
 
 from tests.helpers import assert_close, encoder_config, encoder_pair, needs_cuda, random_inputs
@@ -310,12 +311,14 @@ print("loaded: ok")
 """
 
 
-def test_saved_programs_load_in_a_fresh_process_after_register_ops(tmp_path):
-    """A jit.traced and an exported encoder (backend triton) hold the registered ops by name; a
-    new process loads and runs them after bert_fast.register_ops() (README: Tracing)."""
-    if "triton" not in available_backends():
-        pytest.skip("Triton is not installed")
-    _, fast = encoder_pair(encoder_config(num_layers=1), backend="triton")
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_saved_programs_load_in_a_fresh_process_after_register_ops(tmp_path, backend):
+    """A jit.traced and an exported encoder hold the registered ops by name (backend cuda: the
+    extension's too, which register_ops() did not load: "Unknown builtin op"); a new process
+    loads and runs them after bert_fast.register_ops() (README: Tracing)."""
+    if backend not in available_backends():
+        pytest.skip(f"backend {backend} unavailable")
+    _, fast = encoder_pair(encoder_config(num_layers=1), backend=backend)
     fast.eval()
     tokens, segments = random_inputs(3, 9, 50)
     inputs = (tokens, segments, torch.tensor([3, 0, 9]))
@@ -325,6 +328,26 @@ def test_saved_programs_load_in_a_fresh_process_after_register_ops(tmp_path):
         torch.save(fast(*inputs), tmp_path / "expected.pt")
     torch.save(inputs, tmp_path / "inputs.pt")
     _run_in_a_fresh_process(_LOAD_SAVED, str(tmp_path))
+
+
+@pytest.mark.parametrize("model", ["encoder", "hf"])
+def test_jit_trace_of_skip_padding_raises(model):
+    """A jit.trace of skip_padding kept the valid-token count and each sequence's length it saw
+    as constants: other lengths of the same shapes gave wrong outputs (0.65 off; found by review).
+    It raises instead."""
+    tokens, segments = random_inputs(2, 8, 50)
+    valid_lens = torch.tensor([8, 3])
+    if model == "encoder":
+        _, fast = encoder_pair(encoder_config(num_layers=1), skip_padding=True, backend="torch")
+        args = (tokens, segments, valid_lens)
+    else:
+        transformers = pytest.importorskip("transformers")
+        config = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                         intermediate_size=64, max_position_embeddings=16)
+        fast = bert_fast.optimize(transformers.BertModel(config).eval(), backend="torch", skip_padding=True)
+        args = (tokens, (torch.arange(8)[None, :] < valid_lens[:, None]).long())
+    with torch.no_grad(), pytest.raises(RuntimeError, match="skip_padding=True cannot be traced by torch.jit.trace"):
+        torch.jit.trace(fast, args, check_trace=False, strict=False)
 
 
 @pytest.mark.parametrize("skip_padding", [False, True], ids=["exact", "skip_padding"])

@@ -56,8 +56,11 @@ def register_ops():
     one is read from its module (``bert_fast.ops.attention.attention_fwd``).
 
     Call it (``bert_fast.register_ops()``) before loading a saved program that calls the ops
-    (torch.jit.load, torch.export.load) in a process that has traced nothing: deserializing
-    looks the ops up by name and would not find them."""
+    (torch.jit.load, torch.export.load, AOTInductor's aoti_load_package) in a process that has
+    traced nothing: deserializing looks the ops up by name and would not find them. It also
+    loads the compiled extension, whose ops (backend "cuda") register when it loads."""
+    from .. import extension
+    extension.load()         # a saved program of backend "cuda" calls the extension's ops too
     if all(_REGISTRARS.values()):
         return True
     with _registry_lock:

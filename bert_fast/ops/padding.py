@@ -40,6 +40,12 @@ def unpadding_for(valid_lens, seqlen, num_tokens=None):
     """Indices of the valid tokens for 1-D ``valid_lens``: one host sync (the counts, which give
     the size N of everything unpadded), or none with ``num_tokens`` (at least the valid count;
     the static form of the module docstring)."""
+    if torch._C._get_tracing_state():
+        # jit.trace would record the counts read here as constants: a traced graph that gives
+        # wrong results for any other valid_lens of the same shapes.
+        raise RuntimeError("skip_padding=True cannot be traced by torch.jit.trace: the number of valid tokens "
+                           "and each sequence's length would be recorded as constants of the traced inputs. "
+                           "Trace with skip_padding=False, or use torch.export or torch.compile")
     positions = torch.arange(seqlen, dtype=torch.float32, device=valid_lens.device)
     valid = positions < valid_lens[:, None]                                   # (B, L)
     counts = valid.sum(dim=1, dtype=torch.int32)
