@@ -162,27 +162,32 @@ _OP_OPTIONS = ({"tags": (_CUDAGRAPH_UNSAFE,)}
 
 @torch.library.custom_op("bert_fast::check_encoder_values", mutates_args=(), **_OP_OPTIONS)
 def _check_values_op(tokens: torch.Tensor, segments: torch.Tensor, valid_lens: Optional[torch.Tensor],
-                     vocab_size: int) -> torch.Tensor:
+                     vocab_size: int, max_len: int) -> torch.Tensor:
     """The value checks as one op torch.compile keeps opaque (it runs them, in Python, when the
     compiled graph runs); returns a zero of tokens' dtype that the caller adds to the tokens,
-    so that the check is ordered before (and is not dropped from) the embedding lookup."""
+    so that the check is ordered before (and is not dropped from) the embedding lookup. Also
+    the sequence length against max_len, a shape check the trace turned into a guard, which a
+    jit.trace and AOTInductor's programs (by default) do not check when they run."""
+    if tokens.shape[-1] > max_len:
+        raise ValueError(f"sequence length {tokens.shape[-1]} exceeds max_len {max_len} "
+                         f"(the size of the position table)")
     _check_values(tokens, segments, valid_lens, vocab_size)
     return tokens.new_zeros(())
 
 
 @_check_values_op.register_fake
-def _(tokens, segments, valid_lens, vocab_size):
+def _(tokens, segments, valid_lens, vocab_size, max_len):
     return tokens.new_empty(())
 
 
-def check_encoder_values(tokens, segments, valid_lens, *, vocab_size):
+def check_encoder_values(tokens, segments, valid_lens, *, vocab_size, max_len):
     """Token ids in [0, vocab_size), segment ids in {0, 1}, no NaN in float valid_lens: one
     host sync. Returns ``tokens``; under torch.compile, tokens made to depend on the check
     (``tokens + 0`` from the check's op): use the returned tensor."""
     if valid_lens is not None and valid_lens.requires_grad:
         valid_lens = valid_lens.detach()
     if use_registered_op():      # torch.compile or jit.trace: the check stays in the graph
-        return tokens + _check_values_op(tokens, segments, valid_lens, vocab_size)
+        return tokens + _check_values_op(tokens, segments, valid_lens, vocab_size, max_len)
     if _capturing_cuda_graph(tokens):
         # The read would end the capture with CUDA's "operation not permitted when stream is
         # capturing"; a check at capture time would not run at the replays anyway.
@@ -205,4 +210,4 @@ def check_encoder_inputs(tokens, segments, valid_lens, *, vocab_size, max_len, d
     Returns tokens as check_encoder_values does."""
     check_encoder_shapes(tokens, segments, valid_lens, max_len=max_len, device=device,
                          skip_padding=skip_padding)
-    return check_encoder_values(tokens, segments, valid_lens, vocab_size=vocab_size)
+    return check_encoder_values(tokens, segments, valid_lens, vocab_size=vocab_size, max_len=max_len)

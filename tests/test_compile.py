@@ -350,6 +350,21 @@ def test_jit_trace_of_skip_padding_raises(model):
         torch.jit.trace(fast, args, check_trace=False, strict=False)
 
 
+def test_a_traced_encoder_checks_the_length_when_it_runs():
+    """The host's length check is a trace-time check (a guard under torch.compile, which a
+    jit.trace and AOTInductor's programs do not check when they run): with check_inputs the
+    traced value-check op checks the length too ("size of tensor a (17) must match" before;
+    AOTInductor read past the position table)."""
+    _, fast = encoder_pair(encoder_config(num_layers=1, max_len=16), backend="torch")
+    fast.eval()
+    tokens, segments = random_inputs(2, 8, 50)
+    with torch.no_grad():
+        traced = torch.jit.trace(fast, (tokens, segments, torch.tensor([3, 8])), check_trace=False)
+        tokens, segments = random_inputs(2, 17, 50)
+        with pytest.raises(Exception, match="sequence length 17 exceeds max_len 16"):
+            traced(tokens, segments, torch.tensor([3, 17]))
+
+
 @pytest.mark.parametrize("skip_padding", [False, True], ids=["exact", "skip_padding"])
 def test_export_with_dynamic_batch_and_length_runs_at_other_shapes(skip_padding):
     """torch.export with dynamic B and L: the program runs at other (B, L), products B*L

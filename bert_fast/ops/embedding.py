@@ -105,6 +105,19 @@ def _guarded_lookup(ids, table, padding_idx=None):
     return torch.where(inside, F.embedding(ids.clamp(0, rows - 1), table, padding_idx), 0)
 
 
+def _positions(tokens, positions, pos_table):
+    """The position ids of a compiled lookup: ``positions``, or 0..L-1 (read through
+    _guarded_lookup, not sliced: AOTInductor runs a program without its shape guards by default,
+    and a slice of a sequence longer than max_len read past the table, a crash)."""
+    if positions is not None:
+        return positions
+    seqlen = tokens.shape[-1]
+    max_len = pos_table.shape[0]
+    torch._check(seqlen <= max_len,
+                 lambda: f"sequence length {seqlen} exceeds max_len {max_len} (the size of the position table)")
+    return torch.arange(seqlen, device=tokens.device)
+
+
 def _guarded_index_add(grad_rows, ids, n_rows):
     """``zeros(n_rows, H).index_add_(0, ids, grad_rows)`` where the rows of ids outside
     [0, n_rows) add nothing (the Triton backward's guard; Inductor on torch 2.11 would write
@@ -126,7 +139,7 @@ def _embedding_sum_torch(tokens, segments, token_weight, segment_weight, pos_wei
         # Ids are not readable while tracing (eager CPU calls raise above); the graph guards.
         # Fused by Inductor into the gathers: no extra pass.
         out = _guarded_lookup(tokens, token_weight) + _guarded_lookup(segments, segment_weight)
-        return out + (pos_table[: tokens.shape[-1]] if positions is None else _guarded_lookup(positions, pos_table))
+        return out + _guarded_lookup(_positions(tokens, positions, pos_table), pos_table)
     pos = pos_table[: tokens.shape[-1]] if positions is None else F.embedding(positions, pos_table)
     # Accumulate in place: the embedding lookups' backward does not need their outputs,
     # so this saves two full-size temporaries without touching autograd.

@@ -34,16 +34,20 @@ from ._autograd import once_differentiable, records_grad, thin_apply, use_regist
 from ._triton import (KERNEL_DTYPES, cdiv, cpu_kernel, launch, nothing_to_launch, require_triton, tl,
                       triton, uses_triton)
 from .embedding import (_check_fwd_inputs, _check_id_ranges, _embedding_rows, _embedding_sum_bwd,
-                        _embedding_sum_fwd, _flat_ids, _fwd_blocks, _guarded_lookup)
+                        _embedding_sum_fwd, _flat_ids, _fwd_blocks, _guarded_lookup, _positions)
 
 
 def _embedding_layernorm_torch(tokens, segments, token_weight, segment_weight, pos_weight, positions,
                                weight, bias, eps, padding_idx):
     # Compiled, ids cannot be read: guarded lookups as in embedding_sum (an out-of-range id adds a
     # zero row; Inductor on torch 2.11 would read outside the table). Eager: F.embedding's error.
-    lookup = _guarded_lookup if torch.compiler.is_compiling() else F.embedding
+    compiling = torch.compiler.is_compiling()
+    lookup = _guarded_lookup if compiling else F.embedding
     # HF's order of additions (token + segment, then + position), so fp32 results match it closely.
     out = lookup(tokens, token_weight, padding_idx) + lookup(segments, segment_weight)
+    if compiling:
+        return F.layer_norm(out + lookup(_positions(tokens, positions, pos_weight), pos_weight), out.shape[-1:],
+                            weight, bias, eps)
     out = out + (pos_weight[: tokens.shape[-1]] if positions is None else lookup(positions, pos_weight))
     return F.layer_norm(out, out.shape[-1:], weight, bias, eps)
 
