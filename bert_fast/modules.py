@@ -586,9 +586,11 @@ class FastBERTEncoder(nn.Module):
         token_table, segment_table = sub["token_embedding"], sub["segment_embedding"]
         if _parameters_read(token_table, nn.Embedding) and _parameters_read(segment_table, nn.Embedding):
             called = None
+            # The token table's gradient without atomics where PyTorch is asked for deterministic
+            # algorithms (as its own embedding backward follows that setting).
             embed = dict(token_weight=token_table.weight, segment_weight=segment_table.weight,
                          pos_weight=self.pos_embedding, learn_pos_embedding=self.learn_pos_embedding,
-                         backend=backend)
+                         backend=backend, deterministic=torch.are_deterministic_algorithms_enabled())
         else:       # a hook on a table, or a subclass: the reference's sum, calling them
             pos = self.pos_embedding if self.learn_pos_embedding else self.pos_embedding.detach()
             called = token_table(tokens) + segment_table(segments) + pos[:, :tokens.shape[1], :]

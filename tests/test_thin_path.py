@@ -7,9 +7,13 @@ launchers (interpreter only), so that path's plumbing is checked here against th
 forward and backward, before any GPU runs it.
 """
 
+import contextlib
+import importlib
+
 import pytest
 import torch
 
+import bert_fast
 from bert_fast import ops
 from bert_fast.backend import available_backends
 from bert_fast.ops._triton import kernels_on_cpu
@@ -187,3 +191,40 @@ def test_backward_checks_nothing_its_forward_checked(per_op, monkeypatch):
         with pytest.raises(ValueError, match="mean must be"):
             modules[0]._add_layernorm_bwd(grad, grad, grad, None, torch.zeros(2), torch.ones(3), None, 0.0, False)
         assert calls == ["_check_bwd_inputs"]
+
+
+@pytest.mark.parametrize("model", ["book", "hf"])
+def test_deterministic_algorithms_make_the_embedding_backward_deterministic(model, monkeypatch):
+    """torch.use_deterministic_algorithms(True): the token table's gradient by the sort-based
+    kernels, not atomics (PyTorch's own embedding backward follows the setting; the modules
+    ignored it, found by review)."""
+    embedding = importlib.import_module("bert_fast.ops.embedding")
+    launched = []
+    real = embedding.launch
+    monkeypatch.setattr(embedding, "launch", lambda kernel, like: launched.append(kernel.__name__) or real(kernel, like))
+    tokens, segments = random_inputs(B, L, 50)
+    if model == "book":
+        _, fast = encoder_pair(encoder_config(num_heads=2, head_dim=16, num_layers=1, ffn=48), backend="triton")
+        run = lambda: fast(tokens, segments, torch.tensor([3, 11]))        # noqa: E731
+    else:
+        transformers = pytest.importorskip("transformers")
+        config = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                         intermediate_size=48, max_position_embeddings=16)
+        fast = bert_fast.optimize(transformers.BertModel(config), backend="triton")
+        run = lambda: fast(tokens, attention_mask=torch.ones_like(tokens)).last_hidden_state    # noqa: E731
+    fast.train()
+    for deterministic in (False, True):
+        launched.clear()
+        with kernels_on_cpu(), _deterministic_algorithms(deterministic):
+            run().sum().backward()
+        assert ("_embedding_sum_bwd_chunk_kernel" in launched) == deterministic, (deterministic, launched)
+
+
+@contextlib.contextmanager
+def _deterministic_algorithms(mode):
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(mode)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)

@@ -156,7 +156,7 @@ class _EmbeddingLayerNorm(torch.autograd.Function):
             [True, weight is not None and needs[6], bias is not None and needs[7]])
         token_grad, segment_grad, pos_grad = _embedding_sum_bwd(
             grad_sum, tokens, segments, positions, token_weight.shape[0], segment_weight.shape[0],
-            pos_weight.shape[1], True, False)
+            pos_weight.shape[1], True, torch.are_deterministic_algorithms_enabled())
         if ctx.padding_idx is not None:
             token_grad[ctx.padding_idx] = 0      # nn.Embedding(padding_idx=...): that row never learns
         return (None, None, token_grad if needs[2] else None, segment_grad if needs[3] else None,
