@@ -648,7 +648,8 @@ def _strides(t):
 
 def _launch_config(qkv, head_dim, batch, num_heads):
     if batch * num_heads > _MAX_GRID_Y:
-        raise ValueError(f"batch * num_heads must be at most {_MAX_GRID_Y}, got {batch} * {num_heads}")
+        raise ValueError(f"batch * num_heads must be at most {_MAX_GRID_Y}, got {batch} * {num_heads} (a CUDA "
+                         f"grid limit of the Triton attention); split the batch or use backend='torch'")
     # fp32 inputs get fp32 products (PyTorch's default for fp32 matmuls), not TF32.
     precision = "ieee" if qkv.dtype == torch.float32 else None
     return _attention_tiles(head_dim, qkv.element_size()) + (precision,)
