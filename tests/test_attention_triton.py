@@ -141,8 +141,12 @@ def test_odd_shapes(batch, seqlen, num_heads, head_dim, valid_lens):
 
 
 @needs_kernels
-def test_strided_inputs():
+@pytest.mark.parametrize("row_offset_limit", [2**31, 64], ids=["read-strided", "copied"])
+def test_strided_inputs(row_offset_limit, monkeypatch):
     # qkv as a (L, B, 3H + 8) buffer seen as (B, L, 3H); grad_out expanded (stride 0 over rows).
+    # "copied": rows this far apart would overflow the kernels' int32 row offsets (2**31
+    # elements; here lowered to 64), so the launchers read a contiguous copy.
+    monkeypatch.setattr(ATTENTION, "_ROW_OFFSET_LIMIT", row_offset_limit)
     buffer = torch.randn(18, 2, 3 * 2 * 16 + 8, device=DEVICE)
     qkv = buffer.transpose(0, 1)[..., 8:]
     grad_out = torch.randn(2, 1, 32, device=DEVICE).expand(2, 18, 32)

@@ -655,6 +655,16 @@ def _launch_config(qkv, head_dim, batch, num_heads):
     return _attention_tiles(head_dim, qkv.element_size()) + (precision,)
 
 
+# The kernels offset a row by (row index) * (row stride) in int32 arithmetic: a strided view
+# whose rows lie 2**31 elements apart over the sequence (a sequence-first (L, B, 3H) tensor
+# transposed, at large B*L) is read through a contiguous copy.
+_ROW_OFFSET_LIMIT = 2**31
+
+
+def _row_addressable(t, rows):
+    return t.contiguous() if t.stride(-2) * rows >= _ROW_OFFSET_LIMIT else t
+
+
 def _launch_fwd(qkv, out, lse, counts, cu_seqlens, batch, num_heads, head_dim, max_seqlen,
                 dropout_p, seed):
     """qkv, out, lse, counts go by their strides; cu_seqlens must be contiguous; lse None: not
@@ -662,6 +672,7 @@ def _launch_fwd(qkv, out, lse, counts, cu_seqlens, batch, num_heads, head_dim, m
     block_d, tiles, _, _, precision = _launch_config(qkv, head_dim, batch, num_heads)
     if max_seqlen == 0 or batch == 0:
         return
+    qkv = _row_addressable(qkv, max_seqlen)
     grid = (cdiv(max_seqlen, tiles.block_m), batch * num_heads)
     launch(_attention_fwd_kernel, out)[grid](
         qkv, out, lse, counts, cu_seqlens,
@@ -702,6 +713,7 @@ def _launch_bwd(grad_out, qkv, out, lse, dqkv, counts, cu_seqlens, batch, num_he
     block_d, _, dkdv_tiles, dq_tiles, precision = _launch_config(qkv, head_dim, batch, num_heads)
     if max_seqlen == 0 or batch == 0:
         return
+    qkv, out, grad_out = (_row_addressable(t, max_seqlen) for t in (qkv, out, grad_out))
     lse = lse.contiguous()    # delta takes its layout, and the kernels read both with lse's strides
     counts_strides = counts.stride() if counts is not None else (0, 0)
     scalars = (num_heads, head_dim, max_seqlen, 1.0 / math.sqrt(head_dim), dropout_p, seed)
