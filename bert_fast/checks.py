@@ -162,13 +162,14 @@ _OP_OPTIONS = ({"tags": (_CUDAGRAPH_UNSAFE,)}
 
 @torch.library.custom_op("bert_fast::check_encoder_values", mutates_args=(), **_OP_OPTIONS)
 def _check_values_op(tokens: torch.Tensor, segments: torch.Tensor, valid_lens: Optional[torch.Tensor],
-                     vocab_size: int, max_len: int) -> torch.Tensor:
+                     vocab_size: int, max_len: int = -1) -> torch.Tensor:
     """The value checks as one op torch.compile keeps opaque (it runs them, in Python, when the
     compiled graph runs); returns a zero of tokens' dtype that the caller adds to the tokens,
     so that the check is ordered before (and is not dropped from) the embedding lookup. Also
     the sequence length against max_len, a shape check the trace turned into a guard, which a
-    jit.trace and AOTInductor's programs (by default) do not check when they run."""
-    if tokens.shape[-1] > max_len:
+    jit.trace and AOTInductor's programs (by default) do not check when they run. (max_len -1:
+    not checked, what programs saved before the op took it load as.)"""
+    if 0 <= max_len < tokens.shape[-1]:
         raise ValueError(f"sequence length {tokens.shape[-1]} exceeds max_len {max_len} "
                          f"(the size of the position table)")
     _check_values(tokens, segments, valid_lens, vocab_size)
@@ -176,7 +177,7 @@ def _check_values_op(tokens: torch.Tensor, segments: torch.Tensor, valid_lens: O
 
 
 @_check_values_op.register_fake
-def _(tokens, segments, valid_lens, vocab_size, max_len):
+def _(tokens, segments, valid_lens, vocab_size, max_len=-1):
     return tokens.new_empty(())
 
 

@@ -90,8 +90,10 @@ def _carried_and_adopted(blk):
     their hooks are carried over), and the ones it adopts (Linears, the FFN's activation,
     LayerNorms, AddNorm dropouts: the same objects)."""
     attention, ffn, addnorms = blk.attention, blk.ffn, (blk.addnorm1, blk.addnorm2)
-    adopted = (attention.W_q, attention.W_k, attention.W_v, attention.W_o, ffn.dense1, ffn.relu, ffn.dense2,
-               *(a.ln for a in addnorms), *(a.dropout for a in addnorms))
+    activation = getattr(ffn, "relu", None)     # (not a module, or absent: _block_config refuses it)
+    adopted = (attention.W_q, attention.W_k, attention.W_v, attention.W_o, ffn.dense1, ffn.dense2,
+               *(a.ln for a in addnorms), *(a.dropout for a in addnorms),
+               *((activation,) if isinstance(activation, nn.Module) else ()))
     return (blk, attention, ffn, *addnorms), adopted
 
 

@@ -350,6 +350,37 @@ def test_jit_trace_of_skip_padding_raises(model):
         torch.jit.trace(fast, args, check_trace=False, strict=False)
 
 
+@pytest.mark.parametrize("model", ["encoder", "hf"])
+def test_fullgraph_compile_with_a_dynamic_length_matches_eager(model):
+    """A compiled lookup's position rows check the length with torch._check; a message closure
+    over the (dynamic) length made Dynamo refuse it: fullgraph failed at the second length
+    (found by review)."""
+    tokens, segments = random_inputs(2, 12, 50)
+    if model == "encoder":
+        _, fast = encoder_pair(encoder_config(num_layers=1, max_len=16), backend="torch")
+        call = lambda m, L: m(tokens[:, :L], segments[:, :L], torch.tensor([3, L]))      # noqa: E731
+    else:
+        transformers = pytest.importorskip("transformers")
+        config = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                         intermediate_size=64, max_position_embeddings=16)
+        fast = bert_fast.optimize(transformers.BertModel(config).eval(), backend="torch")
+        call = lambda m, L: m(tokens[:, :L], token_type_ids=segments[:, :L]).last_hidden_state    # noqa: E731
+    fast.eval()
+    compiled = torch.compile(fast, fullgraph=True, dynamic=True, backend="aot_eager")
+    with torch.no_grad():
+        for length in (8, 12):
+            assert_close(call(compiled, length), call(fast, length), atol=1e-5, what=f"L {length}")
+
+
+def test_programs_saved_before_the_check_op_took_max_len_still_run():
+    """bert_fast::check_encoder_values gained max_len: a saved program's call without it (what
+    torch.export.load and torch.jit.load replay) takes the default, no length check."""
+    tokens, segments = random_inputs(2, 8, 50)
+    assert torch.ops.bert_fast.check_encoder_values(tokens, segments, None, 50).item() == 0
+    with pytest.raises(ValueError, match="token ids must be in"):
+        torch.ops.bert_fast.check_encoder_values(tokens, segments, None, 5)
+
+
 def test_a_traced_encoder_checks_the_length_when_it_runs():
     """The host's length check is a trace-time check (a guard under torch.compile, which a
     jit.trace and AOTInductor's programs do not check when they run): with check_inputs the

@@ -278,3 +278,50 @@ def test_a_model_changed_by_hand_after_optimize_computes_as_the_reference(backen
     for name, p in model.named_parameters():
         if p.grad is not None:
             assert_close(p.grad, grads[name], atol=1e-10, what=f"{name} gradient")
+
+
+class _GeluFFN(nn.Module):
+    """A book-style FFN whose activation has another name (no ``relu``)."""
+
+    def __init__(self, ffn):
+        super().__init__()
+        self.dense1, self.act, self.dense2 = ffn.dense1, nn.GELU(), ffn.dense2
+
+    def forward(self, X):
+        return self.dense2(self.act(self.dense1(X)))
+
+
+@pytest.mark.parametrize("ffn_change", ["no relu module", "relu a function"])
+def test_a_block_whose_ffn_activation_is_not_a_module_named_relu_is_left_with_a_warning(ffn_change):
+    """optimize() adopts the FFN's ``relu`` module: an FFN without one (or with a function
+    there) raised AttributeError instead of the warning that leaves the block as it is."""
+    model = bert_model()
+    for blk in model.encoder.blks:
+        if ffn_change == "no relu module":
+            blk.ffn = _GeluFFN(blk.ffn)
+        else:          # (as a class that sets self.relu = torch.relu before nn.Module's bookkeeping sees it)
+            del blk.ffn.relu
+            object.__setattr__(blk.ffn, "relu", torch.relu)
+    args = inputs()
+    with torch.no_grad():
+        expected = model(*args)[0]
+    with pytest.warns(UserWarning, match="FFN activation"):
+        bert_fast.optimize(model)
+    assert not isinstance(model.encoder, FastBERTEncoder)
+    with torch.no_grad():
+        assert_close(model(*args)[0], expected, atol=0, what="output of the model left as it was")
+
+
+def test_a_fast_ffn_pickled_with_its_activation_as_a_name_loads():
+    """Before the FFN's activation became its module ``relu`` it was the attribute
+    ``activation`` (a name): such a pickle loads with the module made from the name."""
+    from bert_fast.modules import FastPositionWiseFFN
+    ffn = FastPositionWiseFFN(8, 16, 8, activation="gelu_tanh")
+    state = dict(ffn.__dict__)
+    state["_modules"] = {name: m for name, m in ffn._modules.items() if name != "relu"}
+    state["activation"] = "gelu_tanh"
+    old = FastPositionWiseFFN.__new__(FastPositionWiseFFN)
+    old.__setstate__(state)
+    assert old.activation == "gelu_tanh" and "activation" not in old.__dict__
+    X = torch.randn(2, 3, 8)
+    assert_close(old(X), ffn(X), atol=0, what="output")

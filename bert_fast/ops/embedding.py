@@ -112,9 +112,8 @@ def _positions(tokens, positions, pos_table):
     if positions is not None:
         return positions
     seqlen = tokens.shape[-1]
-    max_len = pos_table.shape[0]
-    torch._check(seqlen <= max_len,
-                 lambda: f"sequence length {seqlen} exceeds max_len {max_len} (the size of the position table)")
+    # (No message: Dynamo cannot trace a message closure over a dynamic length.)
+    torch._check(seqlen <= pos_table.shape[0])
     return torch.arange(seqlen, device=tokens.device)
 
 
