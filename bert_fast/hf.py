@@ -375,6 +375,12 @@ class FastBertLayer(BertLayer):
         self.pack_qkv_()
         return self
 
+    def __setstate__(self, state):
+        # copy.deepcopy gives every Parameter a copy of its own (pickling keeps shared storage):
+        # pack them again.
+        super().__setstate__(state)
+        self.pack_qkv_()
+
     @torch.no_grad()
     def pack_qkv_(self):
         """Keep query/key/value's weights (and biases) back to back in one buffer, in place, so

@@ -130,6 +130,12 @@ class FastMultiHeadAttention(nn.Module):
         self.pack_qkv_()
         return self
 
+    def __setstate__(self, state):
+        # copy.deepcopy gives every Parameter a copy of its own (pickling keeps shared storage):
+        # pack them again.
+        super().__setstate__(state)
+        self.pack_qkv_()
+
     def _qkv_params(self):
         """W_q, W_k, W_v's weights, then their biases if they have them (dict reads: this runs
         on every forward, and nn.Module attribute lookups cost ~0.5 us each)."""
@@ -237,17 +243,25 @@ def packed_qkv(holder, projections):
     params = weights + biases
     if (len(biases) in (0, 3) and not (torch.is_grad_enabled() and any(p.requires_grad for p in params))
             and not torch.compiler.is_compiling()):
-        packing = holder._qkv_packing
-        if packing is None or not packing.holds(params):
-            packing = _QKVPacking.of(params)
-            if packing is not None:
-                holder._qkv_packing = packing
+        packing = _packing_of(holder, params)
         if packing is not None:
             return packing.weight, packing.bias
     if len(biases) not in (0, 3):
         biases = [p["bias"] if p["bias"] is not None else p["weight"].new_zeros(p["weight"].shape[0])
                   for p in parameters]
     return torch.cat(weights), torch.cat(biases) if biases else None
+
+
+def _packing_of(holder, params):
+    """``holder._qkv_packing`` where it holds ``params``, else their packing made anew and kept
+    (after ``copy.deepcopy`` or unpickling the kept one names the old addresses), or None where
+    they are not back to back."""
+    packing = holder._qkv_packing
+    if packing is None or not packing.holds(params):
+        packing = _QKVPacking.of(params)
+        if packing is not None:
+            holder._qkv_packing = packing
+    return packing
 
 
 class _QKVPacking(NamedTuple):
@@ -498,12 +512,8 @@ def fused_layer(X, key_mask, backend, num_heads, dropout_p, activation, linears,
     if spec.extension:
         require_extension(X)
     # The QKV weight (and bias) read in place where pack_qkv_ keeps them back to back.
-    packing = packing_holder._qkv_packing
-    packed = (None, None)
-    if packing is not None:
-        qkv_params = flat[:3] if flat[3] is None else flat[:6]
-        if packing.holds(qkv_params):
-            packed = (packing.weight, packing.bias)
+    packing = _packing_of(packing_holder, flat[:3] if flat[3] is None else flat[:6])
+    packed = (None, None) if packing is None else (packing.weight, packing.bias)
     return ops.encoder_layer(spec, X, key_mask, flat, packed)
 
 

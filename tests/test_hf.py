@@ -1090,3 +1090,23 @@ def test_a_weight_given_another_layout_at_its_address_is_read_anew(backend):
                      what="no_grad output")
     assert_close(fast(ids, mask, types).last_hidden_state, ref(ids, mask, types).last_hidden_state, 1e-10,
                  what="output under autograd")
+
+
+@pytest.mark.parametrize("backend", [b for b in ("triton", "cuda") if b in available_backends()])
+def test_a_deepcopy_of_an_optimized_model_reads_the_packed_qkv_in_place(backend, monkeypatch):
+    """copy.deepcopy gives each Parameter its own copy: Q, K, V are packed again (they were
+    concatenated on every call of the copy)."""
+    from bert_fast import ops
+    _, fast = hf_pair(config(), backend=backend)
+    fast = copy.deepcopy(fast)
+    seen = []
+    real = ops.encoder_layer
+    monkeypatch.setattr(ops, "encoder_layer", lambda spec, x, mask, params, packed: seen.append(packed)
+                        or real(spec, x, mask, params, packed))
+    ids, types = inputs(2, 7)
+    with torch.no_grad():
+        fast(ids, make_mask("prefix", 2, 7), types)
+    layers = fast.encoder.layer
+    assert len(seen) == len(layers)
+    for layer, (weight, _) in zip(layers, seen):
+        assert weight is not None and weight.data_ptr() == layer.attention.self.query.weight.data_ptr()

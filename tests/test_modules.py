@@ -678,3 +678,33 @@ def test_each_dropout_follows_its_own_module_mode(backend):
                 dropout.eval()
         assert_close(fast(tokens, segments, valid_lens), ref(tokens, segments, valid_lens), FLOOR[torch.float32],
                      what="train mode, every Dropout module in eval")
+
+
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("copy_kind", ["deepcopy", "pickle"])
+def test_a_copied_encoders_fused_layers_read_the_packed_qkv_in_place(backend, copy_kind, monkeypatch):
+    """After copy.deepcopy or pickling, the kept packing names the old addresses: the fused
+    layer concatenated W_q, W_k, W_v on every call (the per-op path made the packing anew; found
+    by review). It is made anew there too, read in place: no concatenation."""
+    import io
+    from bert_fast import ops
+    if backend not in available_backends():
+        pytest.skip(f"backend {backend} unavailable")
+    _, fast = encoder_pair(encoder_config(), backend=backend)
+    if copy_kind == "deepcopy":
+        fast = copy.deepcopy(fast)
+    else:
+        buffer = io.BytesIO()
+        torch.save(fast, buffer)
+        buffer.seek(0)
+        fast = torch.load(buffer, weights_only=False)
+    seen = []
+    real = ops.encoder_layer
+    monkeypatch.setattr(ops, "encoder_layer", lambda spec, x, mask, params, packed: seen.append(packed)
+                        or real(spec, x, mask, params, packed))
+    tokens, segments = random_inputs(B, L, 50)
+    with torch.no_grad():
+        fast(tokens, segments, torch.tensor([4, 13, 0]))
+    assert len(seen) == len(fast.blks)
+    for blk, (weight, _) in zip(fast.blks, seen):
+        assert weight is not None and weight.data_ptr() == blk.attention.W_q.weight.data_ptr()
