@@ -236,7 +236,7 @@ def test_gpu_compiled_modes_match_eager(backend, mode):
 
 
 # A fresh process: eager use first, then the first trace. The Triton ops are registered with
-# torch.library at their first use (ops/_autograd.register_ops), not at import, so that neither
+# torch.library at their first use (ops/_autograd._register_triton_ops), not at import, so that neither
 # `import bert_fast` nor eager calls import torch._dynamo and torch._inductor (triton_op's scan
 # for kernels does); the trace that comes first must register them itself.
 _FRESH_PROCESS = """

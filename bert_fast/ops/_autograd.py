@@ -25,7 +25,7 @@ def use_registered_op():
     registered form, which both record as one node (the eager launchers' Triton launches are
     invisible to jit.trace: its graph would keep the output's allocation and not the kernel).
     The registered ops exist once this has said True."""
-    return (torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None) and register_ops()
+    return (torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None) and _register_triton_ops()
 
 
 def compile_time_constant(fn):
@@ -44,8 +44,20 @@ _REGISTRARS = {}
 _registry_lock = threading.RLock()
 
 
-@compile_time_constant
 def register_ops():
+    """Register bert_fast's Triton ops with torch.library now, if not yet, and load the compiled
+    extension, whose ops (backend "cuda") register when it loads; True.
+
+    Call it (``bert_fast.register_ops()``) before loading a saved program that calls the ops
+    (torch.jit.load, torch.export.load, AOTInductor's aoti_load_package) in a process that has
+    traced nothing: deserializing looks the ops up by name and would not find them."""
+    from .. import extension
+    extension.load()
+    return _register_triton_ops()
+
+
+@compile_time_constant
+def _register_triton_ops():
     """Register bert_fast's Triton ops with torch.library now, if not yet; True.
 
     Deferred from import: ``torch.library.triton_op`` imports torch._inductor and torch._dynamo
@@ -53,14 +65,8 @@ def register_ops():
     op's kernels, and eager calls never use the registered ops (the thin path). They are
     registered when use_registered_op() first says True, including while torch.compile or
     torch.export traces (this runs then as a compile-time constant, outside the trace), or when
-    one is read from its module (``bert_fast.ops.attention.attention_fwd``).
-
-    Call it (``bert_fast.register_ops()``) before loading a saved program that calls the ops
-    (torch.jit.load, torch.export.load, AOTInductor's aoti_load_package) in a process that has
-    traced nothing: deserializing looks the ops up by name and would not find them. It also
-    loads the compiled extension, whose ops (backend "cuda") register when it loads."""
-    from .. import extension
-    extension.load()         # a saved program of backend "cuda" calls the extension's ops too
+    one is read from its module (``bert_fast.ops.attention.attention_fwd``). The extension is
+    left to load where its ops are first called."""
     if all(_REGISTRARS.values()):
         return True
     with _registry_lock:
@@ -72,13 +78,13 @@ def register_ops():
 
 
 def deferred_ops(module_name, register, *names):
-    """Defer ``register`` (which binds ``names`` in module ``module_name``) to register_ops(), and
-    return the module's ``__getattr__``: reading one of ``names`` before then registers the ops."""
+    """Defer ``register`` (which binds ``names`` in module ``module_name``) to _register_triton_ops(),
+    and return the module's ``__getattr__``: reading one of ``names`` before then registers the ops."""
     _REGISTRARS[register] = False
 
     def __getattr__(name):
         if name in names:
-            register_ops()
+            _register_triton_ops()
             if name in vars(sys.modules[module_name]):
                 return vars(sys.modules[module_name])[name]
             raise AttributeError(f"{module_name}.{name}: registering bert_fast's Triton ops failed (see the "
