@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from bert_fast.ops.bias_act import (ACTIVATIONS, _bias_act_bwd_triton, _bias_act_fwd_triton, bias_act_bwd,
-                                    bias_act_fwd, linear_act)
+from bert_fast.ops.bias_act import (ACTIVATIONS, _bias_act_bwd_cpu, _bias_act_bwd_triton, _bias_act_fwd_triton,
+                                    bias_act_bwd, bias_act_fwd, linear_act)
 from tests.helpers import (assert_close, assert_within_rule, BF16_OK, DEVICE,
                            max_err, needs_cuda, needs_kernels)
 
@@ -85,6 +85,21 @@ def test_relu_backward_reads_only_the_output():
     d_h, d_bias = _bias_act_bwd_triton(torch.ones_like(h), out, bias, "relu")
     assert torch.equal(out, torch.tensor([[0.0, 0.0, 0.0, 1.0]], device=DEVICE))
     assert torch.equal(d_h, torch.tensor([[0.0, 0.0, 0.0, 1.0]], device=DEVICE)) and torch.equal(d_bias, d_h[0])
+
+
+@pytest.mark.parametrize("implementation", [pytest.param("kernel", marks=needs_kernels), "cpu twin"])
+def test_relu_backward_passes_the_gradient_of_a_nan_output(implementation):
+    """torch.relu's backward (threshold_backward: out <= 0 ? 0 : grad) passes a NaN output's
+    gradient; ``out > 0 ? grad : 0`` dropped it, so a NaN in training left dense1's bias
+    gradient finite where the reference's is NaN (found by review)."""
+    out = torch.tensor([[float("nan"), 2.0, 0.0, -0.0]], device=DEVICE if implementation == "kernel" else "cpu")
+    grad = torch.ones_like(out)
+    if implementation == "kernel":
+        d_h, d_bias = _bias_act_bwd_triton(grad, out, torch.zeros(4, device=out.device), "relu")
+    else:
+        d_h, d_bias = _bias_act_bwd_cpu(grad, out, torch.zeros(4), "relu")
+    expected = torch.ops.aten.threshold_backward(grad, out, 0)
+    assert torch.equal(d_h, expected) and torch.equal(d_bias, expected[0]), (d_h, d_bias)
 
 
 @needs_kernels

@@ -130,7 +130,9 @@ def _bias_act_bwd_kernel(grad_out_ptr, saved_ptr, bias_ptr, d_h_ptr, d_bias_part
         saved = tl.load(saved_ptr + rows64 * saved_row_stride + cols[None, :], mask=mask,
                         other=0.0).to(tl.float32)
         if ACTIVATION == "relu":
-            d_z = tl.where(saved > 0.0, dy, 0.0)
+            # saved <= 0, not > 0: a NaN output passes its gradient, as torch.relu's backward
+            # (threshold_backward) does.
+            d_z = tl.where(saved <= 0.0, 0.0, dy)
         else:
             if HAS_BIAS:
                 saved += bias[None, :]
@@ -265,7 +267,7 @@ def _bias_act_bwd_cpu(grad_out, saved, bias, activation):
     acc = compute_dtype(saved.dtype)
     dy = as_dtype(grad_out, acc)
     if activation == "relu":
-        d_z = torch.where(saved > 0, dy, 0.0)
+        d_z = torch.where(saved <= 0, 0.0, dy)     # (NaN passes, as in threshold_backward)
     else:
         z = as_dtype(saved, acc)
         if bias is not None:
