@@ -708,3 +708,26 @@ def test_a_copied_encoders_fused_layers_read_the_packed_qkv_in_place(backend, co
     assert len(seen) == len(fast.blks)
     for blk, (weight, _) in zip(fast.blks, seen):
         assert weight is not None and weight.data_ptr() == blk.attention.W_q.weight.data_ptr()
+
+
+@pytest.mark.parametrize("skip_padding", [False, True], ids=["exact", "skip_padding"])
+@pytest.mark.parametrize("backend", available_backends())
+def test_a_nan_in_a_query_weight_propagates_as_in_the_reference(backend, skip_padding):
+    """PyTorch's CPU attention kernel, given no mask and fewer than 16 keys, makes a query whose
+    scores are NaN a row of zeros (torch 2.13), where the reference's softmax gives NaN: a NaN
+    weight gave a finite output (found by review). With a zero additive mask it propagates."""
+    cfg = encoder_config(num_layers=1)
+    ref, fast = encoder_pair(cfg, backend=backend, skip_padding=skip_padding)
+    with torch.no_grad():
+        for model in (ref, fast):
+            model.blks[0].attention.W_q.weight[0, 0] = float("nan")
+    tokens, segments = random_inputs(2, 8, 50)
+    valid_lens = torch.tensor([8, 8]) if skip_padding else None
+    for model in (ref, fast):
+        model.train()
+    outputs = [model(tokens, segments, valid_lens) for model in (ref, fast)]
+    for out in outputs:
+        out.sum().backward()
+    assert outputs[0].isnan().sum() == outputs[1].isnan().sum() == outputs[0].numel()
+    grads = [{n: p.grad.isnan().sum().item() for n, p in m.named_parameters() if p.grad is not None} for m in (ref, fast)]
+    assert grads[0] == grads[1]

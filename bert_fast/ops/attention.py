@@ -134,10 +134,29 @@ def _raw(valid_lens):
     return valid_lens.valid_lens if isinstance(valid_lens, KeyMask) else valid_lens
 
 
+_ZERO_MASKS = {}
+
+
+def _unmasked(q, num_keys):
+    """attn_mask for an SDPA call that masks nothing: None, or on the CPU with fewer than 16 keys
+    a zero additive mask (kept per size and dtype). Without a mask PyTorch's CPU kernel then
+    gives zeros, not NaN, for a query whose scores are NaN (torch 2.13), where the reference's
+    softmax gives NaN; with one it propagates NaN."""
+    if not q.is_cpu or num_keys >= 16:
+        return None
+    if torch.compiler.is_compiling():
+        return q.new_zeros(1, 1, 1, num_keys)
+    mask = _ZERO_MASKS.get((num_keys, q.dtype))
+    if mask is None:
+        with torch.inference_mode(False):       # usable in any later mode
+            mask = _ZERO_MASKS[num_keys, q.dtype] = torch.zeros(1, 1, 1, num_keys, dtype=q.dtype)
+    return mask
+
+
 def _sdpa(q, k, v, valid_lens, dropout_p):
     """SDPA on (B, heads, L, d) with the reference's masking rule (see the module docstring);
     ``valid_lens``: None, raw or a KeyMask."""
-    mask = None
+    mask = None if valid_lens is not None else _unmasked(q, k.shape[2])
     if valid_lens is not None:
         if (isinstance(valid_lens, KeyMask) and valid_lens.sdpa_mask is not None
                 and (valid_lens.sdpa_mask.dtype == torch.bool or valid_lens.sdpa_mask.dtype == q.dtype)):
@@ -1145,6 +1164,6 @@ def unpadded_self_attention(qkv, num_heads, unpadding, valid_lens, dropout_p=0.0
             continue
         # 4-D (1, heads, n, d): 3-D inputs would miss SDPA's fused CPU kernel.
         q, k, v = (x.unflatten(-1, (num_heads, -1)).transpose(0, 1)[None] for x in chunk.chunk(3, dim=-1))
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=_unmasked(q, k.shape[2]), dropout_p=dropout_p)
         outputs.append(out[0].transpose(0, 1).reshape(-1, hidden))
     return torch.cat(outputs) if outputs else qkv.new_empty(0, hidden)

@@ -46,8 +46,8 @@ from torch.nn import functional as F
 
 from .add_layernorm import (_add_layernorm_bwd_triton, _add_layernorm_fwd_cpu, _add_layernorm_fwd_triton, _ext_bwd,
                             _ext_fwd, _saved_bwd)
-from .attention import (_attention_bwd, _attention_fwd, _runs_kernel, _varlen_attention_bwd, _varlen_attention_fwd,
-                        key_mask as _key_mask)
+from .attention import (_attention_bwd, _attention_fwd, _runs_kernel, _unmasked, _varlen_attention_bwd,
+                        _varlen_attention_fwd, key_mask as _key_mask)
 from .bias_act import _bias_act_bwd, _bias_act_bwd_triton, _bias_act_fwd, _relu_bwd
 from .column_sums import joint_column_sums
 from ._autograd import once_differentiable, records_grad, thin_apply
@@ -88,7 +88,7 @@ def _cpu_attention_args(qkv, num_heads, key_mask):
     # permute cost the host ~1 us more).
     q, k, v = qkv.view(batch, seqlen, 3, num_heads, width // (3 * num_heads)).transpose(1, 3).unbind(2)
     if key_mask is None:
-        return q, k, v, None, None
+        return q, k, v, _unmasked(q, seqlen), None
     mask, query_keep = key_mask.sdpa_mask, key_mask.query_keep
     if mask is None or not (mask.dtype == torch.bool or mask.dtype == q.dtype):
         mask, query_keep = _key_mask(key_mask.valid_lens, q.shape[2], k.shape[2], q.device)
@@ -118,7 +118,7 @@ def _per_sequence_forward(qkv, seqlens, num_heads):
     for rows in qkv.split(seqlens):
         if rows.shape[0] == 0:
             continue
-        out, lse = _flash_cpu(*_sequence_heads(rows, num_heads), 0.0, False)
+        out, lse = _flash_cpu(*_sequence_heads(rows, num_heads), 0.0, False, attn_mask=_unmasked(rows, rows.shape[0]))
         saved.append((out, lse))
         outputs.append(out[0].transpose(0, 1).reshape(rows.shape[0], -1))
     context = torch.cat(outputs) if outputs else qkv.new_empty(0, qkv.shape[-1] // 3)
@@ -133,7 +133,8 @@ def _per_sequence_backward(grad, qkv, seqlens, num_heads, saved):
             continue
         out, lse = next(saved)
         grad_rows = grad_rows.view(n, num_heads, -1).transpose(0, 1)[None]
-        dq, dk, dv = _flash_cpu_backward(grad_rows, *_sequence_heads(rows, num_heads), out, lse, 0.0, False)
+        dq, dk, dv = _flash_cpu_backward(grad_rows, *_sequence_heads(rows, num_heads), out, lse, 0.0, False,
+                                         attn_mask=_unmasked(rows, n))
         # (3, 1, heads, n, d) -> (n, 3, heads, d): the packed projection's layout.
         grads.append(torch.stack((dq, dk, dv)).squeeze(1).permute(2, 0, 1, 3).reshape(n, -1))
     return torch.cat(grads) if grads else torch.zeros_like(qkv)
