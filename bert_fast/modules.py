@@ -633,8 +633,22 @@ class FastBERTEncoder(nn.Module):
         return ops.pad(X, unpadding)
 
 
+class FastMaskLM(MaskLM):
+    """The reference MaskLM (the same MLP and state_dict), gathering X[b, pred_positions[b, k]]
+    with (B, P) indices: the book's flattened ones made an exported model with a dynamic number
+    of predictions P guard on P != 1 (torch.export), refusing one prediction per sequence."""
+
+    def forward(self, X, pred_positions):
+        if pred_positions.dim() != 2 or pred_positions.shape[0] != X.shape[0]:    # (expand_as would broadcast)
+            raise ValueError(f"pred_positions must have shape (batch, num_predictions) with batch {X.shape[0]}, "
+                             f"got {tuple(pred_positions.shape)}")
+        rows = torch.arange(X.shape[0], device=X.device)[:, None].expand_as(pred_positions)
+        return self._modules["mlp"](X[rows, pred_positions])
+
+
 class FastBERTModel(BERTModel):
-    """Drop-in for the reference BERTModel: FastBERTEncoder plus the reference's heads.
+    """Drop-in for the reference BERTModel: FastBERTEncoder plus the reference's heads (its
+    MaskLM as FastMaskLM: the same values and state_dict).
 
     Takes FastBERTEncoder's keyword-only options. The forward pass is the reference's.
     """
@@ -653,5 +667,5 @@ class FastBERTModel(BERTModel):
                                        max_len=max_len, key_size=key_size, query_size=query_size,
                                        value_size=value_size, **options)
         self.hidden = nn.Sequential(nn.Linear(hid_in_features, num_hiddens), nn.Tanh())
-        self.mlm = MaskLM(vocab_size, num_hiddens, mlm_in_features)
+        self.mlm = FastMaskLM(vocab_size, num_hiddens, mlm_in_features)
         self.nsp = NextSentencePred(nsp_in_features)

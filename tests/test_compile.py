@@ -415,6 +415,29 @@ def test_export_with_dynamic_batch_and_length_runs_at_other_shapes(skip_padding)
                          what=f"exported program at B {rows}, L {seqlen}")
 
 
+def test_exported_bert_model_with_a_dynamic_number_of_predictions_runs_with_one():
+    """The book's MaskLM gathers with flattened (B*P,) indices, which torch.export guards on
+    P != 1: an exported FastBERTModel with a dynamic P refused one prediction per sequence
+    (found by review). FastMaskLM gathers with (B, P) indices, the same values."""
+    from torch.export import Dim
+    cfg = encoder_config(num_layers=1)
+    hidden = cfg["num_hiddens"]
+    model = bert_fast.FastBERTModel(**cfg, hid_in_features=hidden, mlm_in_features=hidden, nsp_in_features=hidden,
+                                    backend="torch").eval()
+    batch, length, predictions = Dim("batch", min=1, max=16), Dim("length", min=2, max=32), Dim("P", min=1, max=8)
+    tokens, segments = random_inputs(2, 8, 50)
+    args = (tokens, segments, torch.tensor([3, 8]), torch.tensor([[0, 1, 2], [3, 4, 5]]))
+    with torch.no_grad():
+        program = torch.export.export(model, args, dynamic_shapes=(
+            {0: batch, 1: length}, {0: batch, 1: length}, {0: batch}, {0: batch, 1: predictions}))
+        exported = program.module()
+        for rows, seqlen, count in ((2, 8, 1), (3, 12, 2), (1, 5, 1)):
+            tokens, segments = random_inputs(rows, seqlen, 50)
+            args = (tokens, segments, torch.arange(rows) % seqlen + 1, torch.randint(0, seqlen, (rows, count)))
+            for got, expected in zip(exported(*args), model(*args)):
+                assert_close(got, expected, atol=1e-5, what=f"B {rows}, L {seqlen}, P {count}")
+
+
 @pytest.mark.parametrize("fullgraph", [False, True])
 def test_always_on_checks_under_compile(fullgraph):
     """A shape, dtype or length check that fails while Dynamo traces: without fullgraph our

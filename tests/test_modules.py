@@ -731,3 +731,15 @@ def test_a_nan_in_a_query_weight_propagates_as_in_the_reference(backend, skip_pa
     assert outputs[0].isnan().sum() == outputs[1].isnan().sum() == outputs[0].numel()
     grads = [{n: p.grad.isnan().sum().item() for n, p in m.named_parameters() if p.grad is not None} for m in (ref, fast)]
     assert grads[0] == grads[1]
+
+
+def test_mlm_positions_of_another_batch_raise():
+    """FastMaskLM's (B, P) gather would broadcast a (1, P) pred_positions over the batch, where
+    the book's gather raises: it raises, saying the shape it needs."""
+    cfg = encoder_config(num_layers=1)
+    hidden = cfg["num_hiddens"]
+    model = FastBERTModel(**cfg, hid_in_features=hidden, mlm_in_features=hidden, nsp_in_features=hidden).eval()
+    tokens, segments = random_inputs(2, 8, 50)
+    for bad in (torch.tensor([[0, 1, 2]]), torch.tensor([0, 1, 2])):
+        with pytest.raises(ValueError, match=r"pred_positions must have shape \(batch, num_predictions\) with batch 2"):
+            model(tokens, segments, None, bad)
