@@ -46,9 +46,10 @@ def _embedding_layernorm_torch(tokens, segments, token_weight, segment_weight, p
     # HF's order of additions (token + segment, then + position), so fp32 results match it closely.
     out = lookup(tokens, token_weight, padding_idx) + lookup(segments, segment_weight)
     if compiling:
-        return F.layer_norm(out + lookup(_positions(tokens, positions, pos_weight), pos_weight), out.shape[-1:],
-                            weight, bias, eps)
-    out = out + (pos_weight[: tokens.shape[-1]] if positions is None else lookup(positions, pos_weight))
+        pos = lookup(_positions(tokens, positions, pos_weight), pos_weight)
+    else:
+        pos = pos_weight[: tokens.shape[-1]] if positions is None else lookup(positions, pos_weight)
+    out = out + pos
     return F.layer_norm(out, out.shape[-1:], weight, bias, eps)
 
 
