@@ -342,6 +342,8 @@ def main(argv=None):
                 print(markdown)
         except ValueError as error:     # not a record, or no markers: say so, no traceback
             sys.exit(f"python -m bert_fast.bench: error: {error}")
+        except OSError as error:        # the README not there, not writable
+            sys.exit(f"python -m bert_fast.bench: error: cannot update {args.readme}: {error.strerror or error}")
         return
     if args.plot_from:
         try:

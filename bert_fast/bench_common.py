@@ -83,8 +83,8 @@ def device_option(parser, name):
         return default_device()
     try:
         device = torch.device(name)
-    except (RuntimeError, ValueError) as error:
-        parser.error(f"--device {name!r}: {error}")
+    except (RuntimeError, ValueError):
+        parser.error(f"--device {name!r} is not a device name (e.g. cpu, cuda, cuda:1)")
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:

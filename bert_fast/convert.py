@@ -273,4 +273,13 @@ def optimize(model, backend=None, *, skip_padding=False, cuda_graphs=False):
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() expects an nn.Module, got {type(model).__name__}")
-    return _swap(model, resolve_backend(backend), (skip_padding, cuda_graphs), "")
+    result = _swap(model, resolve_backend(backend), (skip_padding, cuda_graphs), "")
+    if not any(isinstance(m, (FastBERTEncoder, FastEncoderBlock)) or _hf_bert(m) or _looks_like_encoder(m)
+               or _looks_like_block(m) for m in result.modules()):
+        # Nothing made fast nor left untouched with a warning: say so (as Liger-Kernel does of a
+        # model type it has no kernels for). RoBERTa's family, ELECTRA, DistilBERT and ALBERT
+        # look like BERT but are other classes.
+        warnings.warn(f"bert_fast.optimize: found nothing to make fast in {type(model).__name__} (it swaps the "
+                      "book's BERTEncoder / EncoderBlock and transformers' BertModel, not other classes); "
+                      "the model computes as before", stacklevel=2)
+    return result

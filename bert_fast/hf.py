@@ -80,7 +80,7 @@ from .cuda_graph import _Bucket, _Calls, _is_ids, _sliced, bucket_batch, bucket_
     clear_cuda_graphs, graphed
 from .ops._triton import values_on_host
 from .modules import _ACTIVATION_FUNCTIONS, _GLOBAL_HOOKS, _hook_dicts, _linear, _pack_back_to_back_, \
-    _dropout_rate, _parameters_read, _QKVPacking, fused_layer, packed_qkv
+    _dropout_rate, _parameters_read, _QKVPacking, _table_read, fused_layer, packed_qkv
 from .ops.embedding_layernorm import embedding_layernorm
 
 
@@ -177,6 +177,7 @@ def _check_layer(layer, index, hidden, swapped):
     for name, dropout in (("attention.self.dropout", attn.dropout), ("attention.output.dropout",
                           layer.attention.output.dropout), ("output.dropout", layer.output.dropout)):
         _require(type(dropout) is nn.Dropout, f"{where}.{name} is {type(dropout).__name__}, not nn.Dropout")
+        _require(0 <= dropout.p < 1, f"{where}.{name} with p {dropout.p} (the kernels take [0, 1))")
     _check_layer_norm(f"{where}.attention.output.LayerNorm", layer.attention.output.LayerNorm, hidden)
     _check_layer_norm(f"{where}.output.LayerNorm", layer.output.LayerNorm, hidden)
     _activation_of(layer.intermediate.intermediate_act_fn)
@@ -233,14 +234,19 @@ class _Submodules:
     FSDP2 puts its own there). The embeddings' tables and LayerNorm are FastBertEmbeddings' to
     check: a hook there runs HF's embeddings, the layers stay fused."""
 
-    __slots__ = ("child_dicts", "children", "classes", "encoder_modules", "instance_dicts", "hooked", "hook_dicts",
-                 "hook_keys", "hook_reason", "unsupported")
+    __slots__ = ("child_dicts", "children", "classes", "checked_values", "value_holders", "encoder_modules",
+                 "instance_dicts", "hooked", "hook_dicts", "hook_keys", "hook_reason", "unsupported")
 
     def __init__(self, model):
         # Only the modules with children: one put under a leaf changes nothing the fast path reads.
         self.child_dicts = [m._modules for m in (model, *model.embeddings.modules(), *model.encoder.modules())
                             if m._modules]
         self.children, self.classes = self.current()
+        # The attributes check_supported reads that are not modules (a head count, a scaling, a
+        # padding_idx set later): a change re-checks as a replaced module does (~3 us for 12 layers).
+        self.value_holders = [m for m in self.children
+                              if isinstance(m, nn.Embedding) or type(m).__name__ == "BertSelfAttention"]
+        self.checked_values = self.values()
         self.encoder_modules = list(model.encoder.named_modules(prefix="encoder"))
         self.instance_dicts = [m.__dict__ for _, m in self.encoder_modules]
         layers = set(map(id, model.encoder.layer))
@@ -257,9 +263,13 @@ class _Submodules:
         children = list(chain.from_iterable(map(dict.values, self.child_dicts)))
         return children, list(map(type, children))
 
+    def values(self):
+        return [(m.__dict__.get("padding_idx"), m.__dict__.get("num_attention_heads"),
+                 m.__dict__.get("attention_head_size"), m.__dict__.get("scaling")) for m in self.value_holders]
+
     def changed(self):
         children, classes = self.current()
-        return children != self.children or classes != self.classes
+        return children != self.children or classes != self.classes or self.values() != self.checked_values
 
     def fallback_reason(self):
         """Why HF's forward must run (as the last check found the modules), or None."""
@@ -323,8 +333,8 @@ class FastBertEmbeddings(BertEmbeddings):
         # The three tables and the LayerNorm are read, not called: HF's forward for what that
         # would change (another class put there since optimize(), a hook, a global module hook).
         if (input_ids is None or inputs_embeds is not None or any(args) or any(kwargs.values())
-                or not (_parameters_read(word, nn.Embedding) and _parameters_read(positions, nn.Embedding)
-                        and _parameters_read(types, nn.Embedding) and _parameters_read(ln, nn.LayerNorm))):
+                or not (_table_read(word, padding_idx_applied=True) and _table_read(positions)
+                        and _table_read(types) and _parameters_read(ln, nn.LayerNorm))):
             return super().forward(input_ids, token_type_ids, position_ids, inputs_embeds, *args, **kwargs)
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")

@@ -423,8 +423,12 @@ def build_parser():
 def parse_args(argv):
     parser = build_parser()
     options = parser.parse_args(argv)
-    if min(options.rounds, options.calls, options.layers, options.batch, options.seq) < 1 or options.warmup < 0:
-        parser.error("--rounds, --calls, --layers, --batch and --seq must be >= 1, --warmup >= 0")
+    if (min(options.rounds, options.calls, options.layers, options.batch, options.seq, options.hidden,
+            options.heads, options.ffn) < 1 or options.warmup < 0):
+        parser.error("--rounds, --calls, --layers, --hidden, --heads, --ffn, --batch and --seq must be >= 1, "
+                     "--warmup >= 0")
+    if not 0 <= options.dropout < 1:
+        parser.error(f"--dropout must be in [0, 1), got {options.dropout}")
     if options.hidden % options.heads:
         parser.error(f"--hidden ({options.hidden}) must be divisible by --heads ({options.heads})")
     options.device = device_option(parser, options.device)

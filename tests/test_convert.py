@@ -147,7 +147,8 @@ def test_encoder_with_unsupported_block_keeps_its_other_blocks_fast():
 
 def test_other_modules_and_bad_arguments():
     model = nn.Sequential(nn.Linear(4, 4))
-    assert bert_fast.optimize(model) is model and isinstance(model[0], nn.Linear)
+    with pytest.warns(UserWarning, match="found nothing to make fast in Sequential"):
+        assert bert_fast.optimize(model) is model and isinstance(model[0], nn.Linear)
     with pytest.raises(TypeError, match="expects an nn.Module"):
         bert_fast.optimize("model")
     with pytest.raises(ValueError, match="unknown backend 'tpu'"):
@@ -252,14 +253,29 @@ def _hook_on_an_activation(model):
     model.encoder.blks[0].ffn.relu.register_forward_hook(lambda module, args, out: out * 0.5)
 
 
+def _token_padding_idx(model):
+    model.encoder.token_embedding.padding_idx = 37      # (a token of the inputs: that row gets no gradient)
+
+
+def _token_max_norm(model):
+    model.encoder.token_embedding.max_norm = 0.5        # the rows read renormalised, in place
+
+
+def _segment_gradient_by_frequency(model):
+    model.encoder.segment_embedding.scale_grad_by_freq = True
+
+
 @pytest.mark.parametrize("change", [_transpose_w_q, _drop_w_q_bias, _gelu_activations, _tanh_activation,
-                                    _hook_on_an_activation], ids=lambda f: f.__name__.strip("_"))
+                                    _hook_on_an_activation, _token_padding_idx, _token_max_norm,
+                                    _segment_gradient_by_frequency], ids=lambda f: f.__name__.strip("_"))
 @pytest.mark.parametrize("backend", available_backends())
 def test_a_model_changed_by_hand_after_optimize_computes_as_the_reference(backend, change):
     """Edits made after optimize() to what the fast modules read: a weight given another layout
     at its address (the packed QKV view kept reading the old one: 0.5 off), a Q bias removed
     (a shape error), the FFN's activation module replaced or hooked (ignored: the fast FFN kept
-    its own ReLU, 0.29 off with GELU). Values (no_grad and with autograd) and gradients in fp64."""
+    its own ReLU, 0.29 off with GELU), an embedding table's padding_idx, max_norm or
+    scale_grad_by_freq (ignored: the fused sum read the rows). Values (no_grad and with
+    autograd), gradients and the tables (max_norm writes them) in fp64."""
     model = bert_model().double()
     reference = copy.deepcopy(model)
     bert_fast.optimize(model, backend=backend)
@@ -278,6 +294,8 @@ def test_a_model_changed_by_hand_after_optimize_computes_as_the_reference(backen
     for name, p in model.named_parameters():
         if p.grad is not None:
             assert_close(p.grad, grads[name], atol=1e-10, what=f"{name} gradient")
+    assert_close(model.encoder.token_embedding.weight, reference.encoder.token_embedding.weight, atol=1e-12,
+                 what="token table")
 
 
 class _GeluFFN(nn.Module):

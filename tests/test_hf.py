@@ -279,6 +279,42 @@ def test_unsupported_models_are_left_untouched(change, why):
     assert type(model) is BertModel and type(model.encoder.layer[0]).__name__ == "BertLayer"
 
 
+def test_a_dropout_of_one_is_left_untouched():
+    """HF runs attention_probs_dropout_prob = 1 (every weight dropped); the kernels take [0, 1)."""
+    model = BertModel(config(dropout=1.0)).train()
+    with pytest.warns(UserWarning, match="left untouched: unsupported .*dropout with p 1.0"):
+        bert_fast.optimize(model, backend="cuda")
+    ids, types = inputs(2, 5)
+    assert type(model) is BertModel and model(ids, token_type_ids=types).last_hidden_state.shape == (2, 5, 36)
+
+
+@pytest.mark.parametrize("change", ["word max_norm", "word scale_grad_by_freq", "position padding_idx",
+                                    "type padding_idx"])
+@pytest.mark.parametrize("backend", available_backends())
+def test_an_embedding_table_option_set_later_is_applied(backend, change):
+    """An option of an embedding table that makes its lookup more than a row read, set after the
+    first call: HF's embeddings forward runs (max_norm renormalises the rows it reads in place;
+    the others change the gradients), giving HF's values, gradients and table."""
+    ref, fast = hf_pair(config(), backend=backend)
+    ids, types = inputs(2, 7)
+    fast(ids, token_type_ids=types)
+    table, option = change.split()
+    name = {"word": "word_embeddings", "position": "position_embeddings", "type": "token_type_embeddings"}[table]
+    for model in (ref, fast):
+        getattr(model.embeddings, name).__dict__[option] = {"max_norm": 1.0, "padding_idx": 1}.get(option, True)
+    outs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", hf.HFFallbackWarning)     # (the position/type padding_idx: HF's forward)
+        for model in (ref, fast):
+            out = model(ids, token_type_ids=types).last_hidden_state
+            (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+            outs.append(out)
+    assert_close(outs[1], outs[0], ATOL, what=f"output with {change}")
+    table_ref, table_fast = getattr(ref.embeddings, name), getattr(fast.embeddings, name)
+    assert_close(table_fast.weight, table_ref.weight, 1e-6, what=f"table with {change}")
+    assert_close(table_fast.weight.grad, table_ref.weight.grad, ATOL, what=f"table gradient with {change}")
+
+
 def test_holder_module_and_restore_and_save(tmp_path):
     class Holder(torch.nn.Module):        # e.g. a sentence-transformers Transformer module
         def __init__(self):
@@ -592,12 +628,22 @@ def _instance_forward(model):
     dense.forward = lambda x: plain(x) * 1.5        # what accelerate's add_hook_to_module does
 
 
-@pytest.mark.parametrize("change", [_replace_encoder, _swap_class, _adapter, _instance_forward])
+def _rescale(model):
+    model.encoder.layer[0].attention.self.scaling = 0.1
+
+
+def _more_heads(model):      # HF's attention keeps its scaling, 1/sqrt(9): not the fast path's 1/sqrt(3)
+    attn = model.encoder.layer[1].attention.self
+    attn.num_attention_heads, attn.attention_head_size = 12, 3
+
+
+@pytest.mark.parametrize("change", [_replace_encoder, _swap_class, _adapter, _instance_forward, _rescale, _more_heads])
 def test_changes_after_the_first_call_are_seen(monkeypatch, change):
     """What the fast path checks on every call, changed between two calls: the encoder
     replaced (with a hook inside), a LayerNorm's class swapped in place, an adapter subclass of
-    an HF container, a forward set on an instance. HF's forward runs, with a warning, and gives
-    HF's values; after restore(), optimize() refuses the model or its calls warn anew."""
+    an HF container, a forward set on an instance, an attention's scaling or head count. HF's
+    forward runs, with a warning, and gives HF's values; after restore(), optimize() refuses
+    the model or its calls warn anew."""
     ref, fast = hf_pair(config())
     ids, types = inputs(2, 7)
     mask = make_mask("holes", 2, 7)
