@@ -19,6 +19,8 @@ message; ``bert_fast.build_extension()`` can compile the extension later.
 import glob
 import importlib.util
 import os
+import re
+import subprocess
 import sys
 
 from setuptools import find_packages, setup
@@ -26,6 +28,17 @@ from setuptools import find_packages, setup
 
 def _flag(name):
     return os.environ.get(name, "0").lower() in ("1", "true", "yes", "on")
+
+
+def _toolkit_release(cuda_home):
+    """The CUDA toolkit's release ("12.4") as its nvcc says it, or None."""
+    try:
+        out = subprocess.run([os.path.join(cuda_home, "bin", "nvcc"), "--version"], capture_output=True,
+                             text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"release (\d+\.\d+)", out)
+    return found.group(1) if found else None
 
 
 def extension_build():
@@ -41,12 +54,22 @@ def extension_build():
               "is skipped. Install PyTorch first and use `pip install --no-build-isolation -e .`, or call "
               "bert_fast.build_extension() later.")
         return [], {}
+    if tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 11):
+        # Built against this torch, the extension would break when pip then installs the
+        # torch>=2.11 that install_requires asks for.
+        raise SystemExit(f"bert_fast needs torch >= 2.11; this environment has torch {torch.__version__}. "
+                         "Upgrade it first (pip install -U 'torch>=2.11'), then install bert_fast again.")
     cpu_sources = ["csrc/registration.cpp", *sorted(glob.glob("csrc/*_cpu.cpp"))]
     cuda_sources = [*sorted(glob.glob("csrc/*.cu")), "csrc/cuda_ops.cpp"]
     # torch locates the toolkit from nvcc on PATH; a link to nvcc outside the toolkit gives a root
     # without CUDA's headers, and every CUDA compile would fail on cuda_runtime.h.
     toolkit_ok = CUDA_HOME is not None and os.path.isfile(os.path.join(CUDA_HOME, "include", "cuda_runtime.h"))
     with_cuda = torch.version.cuda is not None and toolkit_ok and not _flag("BERT_FAST_SKIP_CUDA_BUILD")
+    # torch refuses to build with a toolkit of another major version than its own (a CUDA 12
+    # nvcc with a cu13 torch): the CPU ops and Triton's kernels still serve, say so, don't fail.
+    release = _toolkit_release(CUDA_HOME) if with_cuda else None
+    other_major = release is not None and release.split(".")[0] != torch.version.cuda.split(".")[0]
+    with_cuda = with_cuda and not other_major
     common = dict(name="bert_fast._C", include_dirs=[os.path.abspath("csrc")])
     # at::parallel_for is serial unless the extension itself is compiled with OpenMP.
     openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
@@ -72,6 +95,10 @@ def extension_build():
     else:
         why = ("BERT_FAST_SKIP_CUDA_BUILD is set" if _flag("BERT_FAST_SKIP_CUDA_BUILD")
                else "PyTorch is a CPU build" if torch.version.cuda is None
+               else f"the CUDA toolkit at {CUDA_HOME} is CUDA {release}, PyTorch's is CUDA {torch.version.cuda}: "
+                    f"another major version cannot build for it; the CUDA ops need a CUDA "
+                    f"{torch.version.cuda.split('.')[0]}.x toolkit (backend auto runs Triton's kernels on "
+                    "CUDA meanwhile)" if other_major
                else "no CUDA toolkit (nvcc) found" if CUDA_HOME is None
                else f"the CUDA toolkit found at {CUDA_HOME} has no include/cuda_runtime.h; set CUDA_HOME "
                     "to the toolkit's root, e.g. /usr/local/cuda")

@@ -63,7 +63,8 @@ def resolve_backend(backend=None):
     name = backend if backend is not None else os.environ.get("BERT_FAST_BACKEND", "auto")
     name = str(name).lower()
     if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; available: {', '.join(BACKENDS)}")
+        source = "" if backend is not None else " (from the BERT_FAST_BACKEND environment variable)"
+        raise ValueError(f"unknown backend {name!r}{source}; available: {', '.join(BACKENDS)}")
     if name == "triton" and not HAS_TRITON:
         raise ValueError("backend 'triton' needs the triton package (pip install triton; Linux only); "
                          "use backend='torch'")

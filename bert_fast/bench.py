@@ -285,6 +285,14 @@ def build_parser():
     return parser
 
 
+def _refuse_run_options(parser, args, mode, allowed):
+    """``mode`` runs no benchmark: an option of a run given with it is a mistake, not ignored."""
+    given = [action.option_strings[0] for action in parser._actions if action.option_strings
+             and action.dest not in (*allowed, "help") and getattr(args, action.dest) != action.default]
+    if given:
+        parser.error(f"{mode} runs no benchmark; it does not take {', '.join(given)}")
+
+
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -293,12 +301,14 @@ def parse_args(argv=None):
     if args.table_from:
         if args.plot or args.plot_from:
             parser.error("--table-from prints tables only; draw records with --plot-from RECORD ... --plot PATH")
+        _refuse_run_options(parser, args, "--table-from", allowed=("table_from", "readme"))
         return args
     if args.plot_from and not args.plot:
         parser.error("--plot-from needs --plot PATH for the PNG")
     if args.plot:
         check_plot_path(parser, args.plot)
     if args.plot_from:
+        _refuse_run_options(parser, args, "--plot-from", allowed=("plot_from", "plot"))
         return args
     args.device = device_option(parser, args.device)
     for backend in args.backends:

@@ -51,6 +51,14 @@ def check_size(name, value):
     return int(value)
 
 
+def check_flag(name, value):
+    """``value`` must be True or False (or the ints 0 and 1): "yes" or None is a mistake, not
+    a truth value. Returns it as a bool."""
+    if not isinstance(value, (bool, numbers.Integral)) or value not in (0, 1):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    return bool(value)
+
+
 def check_dropout(value, name="dropout"):
     """``value`` must be a real number in [0, 1); returns it as a float. 1 is refused on every
     backend: the fused kernels scale kept values by 1/(1-p)."""
@@ -197,6 +205,11 @@ def check_encoder_values(tokens, segments, valid_lens, *, vocab_size, max_len):
             "graph capture (torch.cuda.graph, torch.cuda.make_graphed_callables) cannot contain. "
             "Capture with the check off (module.check_inputs = False) and check each call's inputs "
             "before it replays with module.validate_inputs(tokens, segments, valid_lens)")
+    if any(t is not None and torch._C._functorch.is_batchedtensor(t) for t in (tokens, segments, valid_lens)):
+        # (PyTorch's own error, from the read, speaks of .item() and not of check_inputs.)
+        raise ValueError("check_inputs=True reads the input values on the host, which torch.func.vmap "
+                         "does not allow: set check_inputs=False under vmap (and backend='torch': the "
+                         "Triton and extension ops have no vmap rule)")
     _check_values(tokens, segments, valid_lens, vocab_size)
     return tokens
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .backend import resolve_backend
+from .checks import check_flag
 from .cuda_graph import clear_cuda_graphs
 from .modules import FastAddNorm, FastBERTEncoder, FastEncoderBlock, FastMultiHeadAttention, FastPositionWiseFFN, _hook_dicts
 
@@ -273,7 +274,8 @@ def optimize(model, backend=None, *, skip_padding=False, cuda_graphs=False):
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() expects an nn.Module, got {type(model).__name__}")
-    result = _swap(model, resolve_backend(backend), (skip_padding, cuda_graphs), "")
+    options = (check_flag("skip_padding", skip_padding), check_flag("cuda_graphs", cuda_graphs))
+    result = _swap(model, resolve_backend(backend), options, "")
     if not any(isinstance(m, (FastBERTEncoder, FastEncoderBlock)) or _hf_bert(m) or _looks_like_encoder(m)
                or _looks_like_block(m) for m in result.modules()):
         # Nothing made fast nor left untouched with a warning: say so (as Liger-Kernel does of a

@@ -7,6 +7,7 @@ by the install (setup.py) loaded: what scripts/install.sh and CI check after ins
 """
 
 import argparse
+import os
 import platform
 import sys
 
@@ -60,6 +61,13 @@ def report():
     if auto_cuda.startswith("cuda") and backend.AUTO_CAPTURES_TRITON:
         auto_cuda += " (triton inside CUDA-graph captures)"
     lines.append(f"  auto    (default) torch on CPU inputs, {auto_cuda} on CUDA inputs")
+    chosen = os.environ.get("BERT_FAST_BACKEND")
+    if chosen is not None:      # what modules built without backend= take instead of auto
+        try:
+            lines.append(f"BERT_FAST_BACKEND={chosen}: modules built without backend= run "
+                         f"{backend.resolve_backend()}")
+        except ValueError as error:
+            lines.append(f"BERT_FAST_BACKEND={chosen}: every module built without backend= fails: {error}")
     return lines
 
 

@@ -390,7 +390,7 @@ def format_row(row):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bert_fast.kernel_bench",
-                                     description=__doc__.split("\n")[0])
+                                     description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--json", metavar="PATH", help="also write the rows and run details to PATH")
     parser.add_argument("--ops", nargs="+", choices=OP_CHOICES, default=list(OP_CHOICES),

@@ -16,7 +16,7 @@ from torch.nn.modules import module as _nn_module
 
 from . import ops
 from .backend import backend_of, resolve_backend
-from .checks import (check_dropout, check_encoder_inputs, check_encoder_shapes, check_size,
+from .checks import (check_dropout, check_encoder_inputs, check_encoder_shapes, check_flag, check_size,
                      check_valid_lens)
 from .cuda_graph import DEFAULT_MAX_GRAPHS, clear_cuda_graphs, graphed_forward
 from .extension import require_extension
@@ -561,10 +561,10 @@ class FastBERTEncoder(nn.Module):
             check_size(name, size)
         check_dropout(dropout)
         self.backend = resolve_backend(backend)
-        self.learn_pos_embedding = learn_pos_embedding
-        self.skip_padding = skip_padding
-        self.check_inputs = check_inputs
-        self.cuda_graphs = cuda_graphs
+        self.learn_pos_embedding = check_flag("learn_pos_embedding", learn_pos_embedding)
+        self.skip_padding = check_flag("skip_padding", skip_padding)
+        self.check_inputs = check_flag("check_inputs", check_inputs)
+        self.cuda_graphs = check_flag("cuda_graphs", cuda_graphs)
         self.max_cuda_graphs = DEFAULT_MAX_GRAPHS
         self.token_embedding = nn.Embedding(vocab_size, num_hiddens)
         self.segment_embedding = nn.Embedding(2, num_hiddens)

@@ -7,16 +7,21 @@
 # (BERT_FAST_SKIP_EXTENSION=1: install without it, on purpose).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python}
+# A venv's python; else the system's, which stock Ubuntu names python3 only.
+PYTHON=${PYTHON:-$(command -v python || command -v python3 || echo python)}
 
-if ! "$PYTHON" -c "import torch" 2>/dev/null; then
+# torch >= 2.11 (setup.py's requirement): installed if missing, upgraded if older, so the
+# extension is compiled against the torch that stays (pip would otherwise build it against the
+# old one and then replace that).
+if ! "$PYTHON" -c "import sys, torch; sys.exit(tuple(int(p) for p in torch.__version__.split('.')[:2]) < (2, 11))" \
+        2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1; then
-        "$PYTHON" -m pip install torch
+        "$PYTHON" -m pip install -U "torch>=2.11"
     elif compgen -G "/opt/wheels/torch-*+cpu-*.whl" >/dev/null; then
         # A CPU wheel kept on this machine (our development machines and CI have one).
         "$PYTHON" -m pip install "$(ls /opt/wheels/torch-*+cpu-*.whl | sort -V | tail -n 1)"
     else
-        "$PYTHON" -m pip install torch --index-url https://download.pytorch.org/whl/cpu
+        "$PYTHON" -m pip install -U "torch>=2.11" --index-url https://download.pytorch.org/whl/cpu
     fi
 fi
 # The extension builds against the PyTorch installed above, so without build isolation (see

@@ -149,6 +149,10 @@ ENCODER_ONLY_ARGS = [
     (dict(num_layers=0), ValueError, "num_layers must be a positive int, got 0"),
     (dict(num_layers=2.5), TypeError, "num_layers must be a positive int"),
     (dict(max_len=0), ValueError, "max_len must be a positive int, got 0"),
+    (dict(skip_padding="yes"), TypeError, r"skip_padding must be True or False, got 'yes' \(str\)"),
+    (dict(check_inputs=None), TypeError, "check_inputs must be True or False, got None"),
+    (dict(cuda_graphs=2), TypeError, "cuda_graphs must be True or False, got 2"),
+    (dict(learn_pos_embedding="no"), TypeError, "learn_pos_embedding must be True or False"),
 ]
 
 
@@ -224,3 +228,19 @@ def test_optimize_handles_cycles_and_shared_modules():
     assert isinstance(outer.inner.encoder, FastBERTEncoder)
     assert outer.again is outer.inner.encoder, "a shared module gets one replacement"
     assert outer.inner.back is outer
+
+
+def test_value_checks_under_vmap_say_to_turn_them_off():
+    """torch.func.vmap forbids the host read of check_inputs=True (PyTorch's error speaks of
+    .item()): ours names the setting; with it off, backend 'torch' runs under vmap."""
+    ref, fast = encoder_pair(encoder_config(), backend="torch")
+    tokens, segments = random_inputs(2, 6, encoder_config()["vocab_size"])
+
+    def per_sequence(model):
+        return torch.func.vmap(lambda t, s: model(t, s, None))(tokens[:, None], segments[:, None])[:, 0]
+
+    with pytest.raises(ValueError, match="check_inputs=True reads the input values on the host, which "
+                                         "torch.func.vmap does not allow: set check_inputs=False"):
+        per_sequence(fast)
+    fast.check_inputs = False
+    assert (per_sequence(fast) - per_sequence(ref)).abs().max() < 1e-5

@@ -179,6 +179,11 @@ def test_unavailable_backend_and_bad_plot_path_are_usage_errors(monkeypatch, cap
     assert "the folder no/such/folder does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.parse_args(["--table-from", "x.json", "--plot", "x.png"])
+    for argv, named in ((["--table-from", "x.json", "--preset", "large", "--json", "y.json"], "--preset, --json"),
+                        (["--plot-from", "x.json", "--plot", "x.png", "--batch", "4"], "--batch")):
+        with pytest.raises(SystemExit):         # would be ignored: no benchmark runs
+            bench.parse_args(argv)
+        assert f"runs no benchmark; it does not take {named}" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench_suite.parse_args(["--device", "cpu", "--matmul-n", "0"])
 

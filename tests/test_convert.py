@@ -153,6 +153,8 @@ def test_other_modules_and_bad_arguments():
         bert_fast.optimize("model")
     with pytest.raises(ValueError, match="unknown backend 'tpu'"):
         bert_fast.optimize(bert_model(), backend="tpu")
+    with pytest.raises(TypeError, match="skip_padding must be True or False, got 'yes'"):
+        bert_fast.optimize(bert_model(), skip_padding="yes")
 
 
 def test_optimize_is_idempotent():

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from bert_fast import ops
+from bert_fast import reference as R
 from bert_fast.backend import available_backends
 from bert_fast.modules import FastEncoderBlock
 from bert_fast.ops._triton import interpreting, kernels_on_cpu
@@ -253,6 +254,26 @@ def check_autocast(block, valid_lens, amp_dtype, monkeypatch):
 def test_fused_layer_under_autocast_matches_the_per_op_path(backend, valid_lens, activation, monkeypatch):
     check_autocast(make_block(backend, use_bias=True, activation=activation), valid_lens, torch.bfloat16,
                    monkeypatch)
+
+
+@pytest.mark.parametrize("valid_lens", list(VALID_LENS.values()), ids=list(VALID_LENS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_layer_fed_bf16_under_cpu_autocast_returns_what_the_reference_does(backend, valid_lens):
+    """CPU autocast leaves LayerNorm alone: a block fed bf16 activations (a block on its own;
+    the encoder's embedding gives fp32) returns bf16, as the reference's and the per-op path's
+    add-norms do (the fused layer gave fp32)."""
+    block = make_block(backend, use_bias=True)
+    reference = R.EncoderBlock(H, H, H, H, [H], H, FFN, HEADS, 0.0, True)
+    reference.load_state_dict(block.state_dict())
+    x, grad_out = (t.bfloat16() for t in inputs())
+    with torch.autocast("cpu", torch.bfloat16):
+        fused, per_op = fused_and_per_op(block, x, valid_lens, grad_out)
+        want = reference(x, valid_lens)
+    assert fused[0].dtype == per_op[0].dtype == want.dtype == torch.bfloat16
+    assert_close(fused[0], want, atol=AMP_TOLERANCE[torch.bfloat16], rtol=AMP_TOLERANCE[torch.bfloat16],
+                 what="output against the reference")
+    assert fused[2]["x"].dtype == torch.bfloat16
+    assert_same(fused, per_op, atol=AMP_TOLERANCE[torch.bfloat16], rtol=AMP_TOLERANCE[torch.bfloat16])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

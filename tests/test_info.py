@@ -15,6 +15,17 @@ def test_report_names_every_backend():
         assert f"  {name}" in text
 
 
+@pytest.mark.parametrize("value, expected", [
+    ("torch", "BERT_FAST_BACKEND=torch: modules built without backend= run torch"),
+    ("tpu", "BERT_FAST_BACKEND=tpu: every module built without backend= fails: unknown backend 'tpu' "
+            "(from the BERT_FAST_BACKEND environment variable)")])
+def test_report_says_what_bert_fast_backend_selects(monkeypatch, value, expected):
+    monkeypatch.setenv("BERT_FAST_BACKEND", value)
+    assert info.report()[-1].startswith(expected)
+    monkeypatch.delenv("BERT_FAST_BACKEND")
+    assert "BERT_FAST_BACKEND" not in "\n".join(info.report())
+
+
 @pytest.mark.parametrize("choice, problem, expected", [
     ("cuda", None, "cuda (triton inside CUDA-graph captures) on CUDA inputs"),
     ("triton", "no kernel image is available", "triton (not cuda: no kernel image is available) on CUDA inputs"),

@@ -554,6 +554,14 @@ class _AddLayerNorm(torch.autograd.Function):
         return (None, *_input_grads(ctx, ctx.saved_tensors + ctx.stats, backward_op, grad_out), None, None, None)
 
 
+def autocast_norm_dtype(x, residual):
+    """The dtype of the reference's LayerNorm(x + residual) under autocast (x: the sublayer's
+    output, in autocast's dtype): fp32 on CUDA, where LayerNorm is one of autocast's fp32 ops;
+    on the CPU, whose autocast leaves LayerNorm alone, the sum's dtype (fp32 for an fp32
+    residual, as the encoder's embedding gives; bf16 for a block fed bf16)."""
+    return torch.float32 if x.is_cuda else torch.promote_types(x.dtype, residual.dtype)
+
+
 def add_layernorm(x, residual, weight, bias, eps=1e-5, dropout_p=0.0, training=False, *,
                   backend="torch"):
     """``LayerNorm(residual + dropout(x))`` over the last dim; weight/bias may be None.
@@ -569,10 +577,8 @@ def add_layernorm(x, residual, weight, bias, eps=1e-5, dropout_p=0.0, training=F
     if not uses_triton(backend):
         return _add_layernorm_torch(x, residual, weight, bias, eps, dropout_p, training)
     if autocasting():
-        # As the reference under autocast: its sum promotes (x is the sublayer's autocast-dtype
-        # output, residual often fp32) and LayerNorm is one of autocast's fp32 ops.
-        x, residual = as_dtype(x, torch.float32), as_dtype(residual, torch.float32)
-        weight, bias = as_dtype(weight, torch.float32), as_dtype(bias, torch.float32)
+        norm_dtype = autocast_norm_dtype(x, residual)
+        x, residual, weight, bias = (as_dtype(t, norm_dtype) for t in (x, residual, weight, bias))
     if training and dropout_p > 0.0:
         dropout_p = float(dropout_p)
         seed = dropout_seed(dropout_p, x.device)

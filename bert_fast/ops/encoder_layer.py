@@ -45,7 +45,7 @@ import torch
 from torch.nn import functional as F
 
 from .add_layernorm import (_add_layernorm_bwd_triton, _add_layernorm_fwd_cpu, _add_layernorm_fwd_triton, _ext_bwd,
-                            _ext_fwd, _saved_bwd)
+                            _ext_fwd, _saved_bwd, autocast_norm_dtype)
 from .attention import (_attention_bwd, _attention_fwd, _runs_kernel, _unmasked, _varlen_attention_bwd,
                         _varlen_attention_fwd, key_mask as _key_mask)
 from .bias_act import _bias_act_bwd, _bias_act_bwd_triton, _bias_act_fwd, _relu_bwd
@@ -291,10 +291,11 @@ def _layer_forward(spec, key_mask, packed, x, params, ctx=None):
     else:
         # Autocast's casts, made here as the per-op path's F.linear gets them from autocast:
         # the GEMMs, the attention and the activation in autocast's dtype, the add-norms in
-        # fp32 (LayerNorm is an fp32 op under autocast; the reference's output is fp32).
+        # the reference's LayerNorm's (fp32 on CUDA; see autocast_norm_dtype).
         w_qkv, b_qkv, w_o, b_o, w_1, b_1, w_2, b_2 = (as_dtype(t, amp) for t in (w_qkv, b_qkv, w_o, b_o,
                                                                              w_1, b_1, w_2, b_2))
-        x_gemm, norm_dtype = as_dtype(x, amp), torch.float32
+        x_gemm = as_dtype(x, amp)
+        norm_dtype = autocast_norm_dtype(x_gemm, x)
         ln1_w, ln1_b, ln2_w, ln2_b = (as_dtype(t, norm_dtype) for t in (ln1_w, ln1_b, ln2_w, ln2_b))
     # (B, L, .) throughout where a GEMM allows: F.linear takes them as they are, which saves the
     # host a reshape and a view per GEMM (the backward makes the 2-D views it needs).
