@@ -522,6 +522,8 @@ class FastBertModel(BertModel):
         return _submodules_reason(self)
 
     def _warn_fallback(self, reason):
+        if torch.compiler.is_compiling():
+            return      # (Dynamo cannot trace warnings.warn: fullgraph=True would fail on a fallback)
         warned = self.__dict__.setdefault("_bert_fast_warned", set())
         if reason not in warned:
             warned.add(reason)

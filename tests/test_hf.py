@@ -389,6 +389,17 @@ def test_torch_compile_fullgraph_matches_hf():
         assert_close(compiled(ids, mask, types).last_hidden_state, ref(ids, mask, types).last_hidden_state, ATOL)
 
 
+def test_a_call_that_runs_hf_forward_compiles_with_fullgraph():
+    """A 4-D mask runs HF's forward: compiled with fullgraph (no eager call first, so its
+    fallback warning was not given yet; Dynamo cannot trace warnings.warn) it gives HF's values."""
+    ref, fast = hf_pair(config(layers=1))
+    ids, types = inputs(2, 7)
+    additive = ((1 - make_mask("prefix", 2, 7).float()) * -1e9)[:, None, None, :]
+    with torch.no_grad():
+        got = torch.compile(fast, fullgraph=True, backend="aot_eager")(ids, additive, types).last_hidden_state
+        assert_close(got, ref(ids, additive, types).last_hidden_state, ATOL)
+
+
 @needs_kernels
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels run for real")
 @pytest.mark.parametrize("positions", [None, "rows"])
