@@ -431,7 +431,8 @@ def add_record_options(parser, suffix="", contents=""):
                         help=f"write the record{' (' + contents + ')' if contents else ''} here (default: "
                              f"benchmarks/results/{name} under the current directory, named when the run "
                              f"starts; the folder is made if missing, and -2, -3 ... are appended rather "
-                             f"than overwrite a record)")
+                             f"than overwrite a record; a PATH given here is written as given, "
+                             f"replacing a file there)")
     record.add_argument("--no-record", action="store_true",
                         help="write no record (default: write one, see --json)")
 
