@@ -52,9 +52,13 @@ def check_size(name, value):
 
 
 def check_flag(name, value):
-    """``value`` must be True or False (or the ints 0 and 1): "yes" or None is a mistake, not
-    a truth value. Returns it as a bool."""
-    if not isinstance(value, (bool, numbers.Integral)) or value not in (0, 1):
+    """``value`` must be True or False (numpy's and one-element tensors' too, 0 and 1): "yes" or
+    None is a mistake, not a truth value. Returns it as a bool."""
+    try:
+        ok = not isinstance(value, str) and value in (True, False)
+    except (RuntimeError, ValueError):      # a tensor of several elements
+        ok = False
+    if not ok:
         raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
     return bool(value)
 

@@ -193,8 +193,8 @@ def _convert_encoder(enc, backend, skip_padding, cuda_graphs):
 
 
 def _reconfigure(fast, backend, skip_padding, cuda_graphs):
-    """Give a fast encoder or block that is in the model already (built directly, or by an
-    earlier optimize()) this call's options, as a swapped one gets them (and as a Hugging Face
+    """Give a fast module that is in the model already (built directly, or by an earlier
+    optimize()) this call's options, as a swapped one gets them (and as a Hugging Face
     model optimized again does): the last optimize() says how it runs. Graphs captured under
     other options are dropped (they would only hold memory until evicted)."""
     for sub in fast.modules():
@@ -205,6 +205,10 @@ def _reconfigure(fast, backend, skip_padding, cuda_graphs):
         if (fast.backend, bool(fast.skip_padding), bool(fast.cuda_graphs)) != options:
             clear_cuda_graphs(fast)
         fast.backend, fast.skip_padding, fast.cuda_graphs = options
+
+
+# Our modules, which optimize() gives its options (a block's parts may be used on their own).
+_FAST = (FastBERTEncoder, FastEncoderBlock, FastMultiHeadAttention, FastAddNorm, FastPositionWiseFFN)
 
 
 def _hf_bert(module):
@@ -239,7 +243,7 @@ def _swap(module, backend, encoder_options, path, done=None):
     hf = _hf_bert(module)
     if hf is not None:              # converted in place (bert_fast.hf), children included
         return _convert_hf(hf, module, backend, encoder_options, path)
-    if isinstance(module, (FastBERTEncoder, FastEncoderBlock)):
+    if isinstance(module, _FAST):
         _reconfigure(module, backend, *encoder_options)
         return module
     for converter, looks_like, kind in ((_convert_encoder, _looks_like_encoder, "BERTEncoder"),
@@ -276,8 +280,8 @@ def optimize(model, backend=None, *, skip_padding=False, cuda_graphs=False):
         raise TypeError(f"optimize() expects an nn.Module, got {type(model).__name__}")
     options = (check_flag("skip_padding", skip_padding), check_flag("cuda_graphs", cuda_graphs))
     result = _swap(model, resolve_backend(backend), options, "")
-    if not any(isinstance(m, (FastBERTEncoder, FastEncoderBlock)) or _hf_bert(m) or _looks_like_encoder(m)
-               or _looks_like_block(m) for m in result.modules()):
+    if not any(isinstance(m, _FAST) or _hf_bert(m) or _looks_like_encoder(m) or _looks_like_block(m)
+               for m in result.modules()):
         # Nothing made fast nor left untouched with a warning: say so (as Liger-Kernel does of a
         # model type it has no kernels for). RoBERTa's family, ELECTRA, DistilBERT and ALBERT
         # look like BERT but are other classes.

@@ -156,6 +156,14 @@ ENCODER_ONLY_ARGS = [
 ]
 
 
+def test_flags_take_any_true_or_false():
+    """numpy's bools and a one-element tensor are True or False as well (config values)."""
+    import numpy as np
+    for value, want in ((np.True_, True), (np.bool_(False), False), (torch.tensor(True), True), (1, True)):
+        encoder = FastBERTEncoder(**encoder_config(), skip_padding=value, check_inputs=value)
+        assert encoder.skip_padding is want and encoder.check_inputs is want
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("change,error,message", BAD_CONSTRUCTOR_ARGS + ENCODER_ONLY_ARGS)
 def test_encoder_and_model_constructors_refuse_bad_arguments(backend, change, error, message):

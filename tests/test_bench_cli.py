@@ -188,13 +188,15 @@ def test_unavailable_backend_and_bad_plot_path_are_usage_errors(monkeypatch, cap
         bench_suite.parse_args(["--device", "cpu", "--matmul-n", "0"])
 
 
-@pytest.mark.parametrize("option", [["--heads", "0"], ["--hidden", "0"], ["--ffn", "0"], ["--dropout", "1"],
-                                    ["--dropout", "-0.5"]])
-def test_host_suite_sizes_and_dropout_out_of_range_are_usage_errors(option, capsys):
+@pytest.mark.parametrize("option, message", [
+    (["--heads", "0"], "--heads, --ffn, --batch and --seq must be >= 1"), (["--hidden", "0"], "must be >= 1"),
+    (["--ffn", "0"], "must be >= 1"), (["--dropout", "1"], "--dropout must be in [0, 1), got 1.0"),
+    (["--dropout", "-0.5"], "--dropout must be in [0, 1), got -0.5")])
+def test_host_suite_sizes_and_dropout_out_of_range_are_usage_errors(option, message, capsys):
     """Said by the parser (exit 2), not by a ZeroDivisionError or a model's constructor."""
     with pytest.raises(SystemExit) as exit_code:
         bench.main(["--suite", "host", "--no-record", "--device", "cpu", *option])
-    assert exit_code.value.code == 2 and option[0] in capsys.readouterr().err
+    assert exit_code.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_records_that_cannot_be_read_or_drawn_are_named(tmp_path, capsys):

@@ -157,6 +157,17 @@ def test_other_modules_and_bad_arguments():
         bert_fast.optimize(bert_model(), skip_padding="yes")
 
 
+def test_fast_parts_used_on_their_own_take_the_options():
+    """A fast attention or add-norm outside a block is ours: optimize() gives it the backend and
+    finds something (no "nothing to make fast" warning)."""
+    parts = nn.ModuleDict({"attention": bert_fast.FastMultiHeadAttention(8, 8, 8, 8, 2, 0.0, backend="torch"),
+                           "addnorm": bert_fast.FastAddNorm([8], 0.0, backend="torch")})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bert_fast.optimize(parts, backend="triton")
+    assert parts["attention"].backend == parts["addnorm"].backend == "triton"
+
+
 def test_optimize_is_idempotent():
     model = bert_model()
     bert_fast.optimize(model)

@@ -283,28 +283,43 @@ def test_a_dropout_of_one_is_left_untouched():
     """HF runs attention_probs_dropout_prob = 1 (every weight dropped); the kernels take [0, 1)."""
     model = BertModel(config(dropout=1.0)).train()
     with pytest.warns(UserWarning, match="left untouched: unsupported .*dropout with p 1.0"):
-        bert_fast.optimize(model, backend="cuda")
+        bert_fast.optimize(model)
     ids, types = inputs(2, 5)
     assert type(model) is BertModel and model(ids, token_type_ids=types).last_hidden_state.shape == (2, 5, 36)
 
 
+@pytest.mark.parametrize("when", ["before optimize", "after the first call"])
 @pytest.mark.parametrize("change", ["word max_norm", "word scale_grad_by_freq", "position padding_idx",
                                     "type padding_idx"])
 @pytest.mark.parametrize("backend", available_backends())
-def test_an_embedding_table_option_set_later_is_applied(backend, change):
-    """An option of an embedding table that makes its lookup more than a row read, set after the
-    first call: HF's embeddings forward runs (max_norm renormalises the rows it reads in place;
-    the others change the gradients), giving HF's values, gradients and table."""
-    ref, fast = hf_pair(config(), backend=backend)
-    ids, types = inputs(2, 7)
-    fast(ids, token_type_ids=types)
+def test_an_embedding_table_option_is_applied(backend, change, when):
+    """An option of an embedding table that makes its lookup more than a row read, set before
+    optimize() or after the first call: HF's embeddings forward runs, the layers stay fused
+    (max_norm renormalises the rows it reads in place; the others change the gradients),
+    giving HF's values, gradients and table."""
     table, option = change.split()
     name = {"word": "word_embeddings", "position": "position_embeddings", "type": "token_type_embeddings"}[table]
-    for model in (ref, fast):
+
+    def set_option(model):
         getattr(model.embeddings, name).__dict__[option] = {"max_norm": 1.0, "padding_idx": 1}.get(option, True)
+
+    ref = BertModel(config()).eval()
+    ref.set_attn_implementation("eager")
+    fast = copy.deepcopy(ref)
+    for model in (ref, fast) if when == "before optimize" else ():
+        set_option(model)
+    bert_fast.optimize(fast, backend=backend)
+    assert type(fast) is hf.FastBertModel
+    ids, types = inputs(2, 7)
+    ids[:, 1:4] = 5         # a repeated id: scale_grad_by_freq divides its row's gradient by 3
+    types[:, :3] = 1        # a type id of the padding_idx 1
+    if when == "after the first call":
+        fast(ids, token_type_ids=types)
+        for model in (ref, fast):
+            set_option(model)
     outs = []
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", hf.HFFallbackWarning)     # (the position/type padding_idx: HF's forward)
+        warnings.simplefilter("error", hf.HFFallbackWarning)      # the layers stay fused
         for model in (ref, fast):
             out = model(ids, token_type_ids=types).last_hidden_state
             (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
@@ -532,13 +547,14 @@ def test_hooks_run_where_hf_runs_them(monkeypatch, where, backend):
 
 def test_a_hook_present_when_compiled_runs():
     """torch.compile traces the check (its answer a constant of the graph): a hook registered
-    before the compilation runs in the compiled model, through HF's forward."""
+    before the compilation runs in the compiled model, through HF's forward (the hook shifts
+    the query: the fused path would differ; no warning while tracing, see _warn_fallback)."""
     ref, fast = hf_pair(config())
     ids, types = inputs(2, 6)
     for model in (ref, fast):
         model.encoder.layer[0].attention.self.query.register_forward_hook(_shift_output)
     compiled = torch.compile(copy.deepcopy(fast), backend="eager")     # a copy: registered by unpickling
-    with torch.no_grad(), pytest.warns(hf.HFFallbackWarning, match="a hook on encoder.layer.0.attention.self.query"):
+    with torch.no_grad():
         assert_close(compiled(ids, token_type_ids=types).last_hidden_state,
                      ref(ids, token_type_ids=types).last_hidden_state, ATOL, what="compiled, with the hook")
 
@@ -648,11 +664,17 @@ def _more_heads(model):      # HF's attention keeps its scaling, 1/sqrt(9): not 
     attn.num_attention_heads, attn.attention_head_size = 12, 3
 
 
-@pytest.mark.parametrize("change", [_replace_encoder, _swap_class, _adapter, _instance_forward, _rescale, _more_heads])
+def _drop_everything(model):    # (the kernels take p in [0, 1))
+    model.encoder.layer[0].attention.self.dropout.p = 1.0
+
+
+@pytest.mark.parametrize("change", [_replace_encoder, _swap_class, _adapter, _instance_forward, _rescale, _more_heads,
+                                    _drop_everything])
 def test_changes_after_the_first_call_are_seen(monkeypatch, change):
     """What the fast path checks on every call, changed between two calls: the encoder
     replaced (with a hook inside), a LayerNorm's class swapped in place, an adapter subclass of
-    an HF container, a forward set on an instance, an attention's scaling or head count. HF's
+    an HF container, a forward set on an instance, an attention's scaling or head count, a
+    dropout rate of 1. HF's
     forward runs, with a warning, and gives HF's values; after restore(), optimize() refuses
     the model or its calls warn anew."""
     ref, fast = hf_pair(config())

@@ -22,7 +22,8 @@ saves; the backward launchers do not check them again (the forward's launchers d
 
 Under autocast (for the layer's device; ``LayerSpec.amp_dtype``) the layer makes autocast's
 casts itself, as the per-op path's F.linear gets them: GEMMs, attention and activation in
-autocast's dtype, the add-norms in fp32 (LayerNorm is an fp32 op under autocast).
+autocast's dtype, the add-norms in the dtype of the reference's LayerNorm: fp32 on CUDA (an fp32
+op of its autocast), the residual sum's dtype on the CPU (add_layernorm.autocast_norm_dtype).
 
 Without autograd (inference) the same forward runs with nothing saved: the per-op path's host
 work between the launches (four submodule calls, each op's backend and autograd decisions, the
@@ -407,7 +408,8 @@ class _EncoderLayer(torch.autograd.Function):
 
 def _add_product(c, a, b):
     """c + a @ b, in one GEMM where the dtypes allow (the residual's gradient folded in); under
-    autocast c is fp32 (the add-norm's) and the product autocast's dtype, cast up first."""
+    autocast c is in the add-norm's dtype (fp32 on CUDA) and the product in autocast's, cast
+    to c's first where they differ."""
     if c.dtype == a.dtype:
         return torch.addmm(c, a, b)
     return c + a.mm(b).to(c.dtype)
