@@ -103,7 +103,11 @@ for step in "$@"; do
         # The extension in place, for Hopper only (half the compile of the default "8.0;9.0").
         run build env BERT_FAST_CUDA_ARCHS="${BERT_FAST_CUDA_ARCHS:-9.0}" MAX_JOBS=$(nproc) \
             python setup.py build_ext --inplace
-        run info python -m bert_fast.info --require-extension ;;
+        run info python -m bert_fast.info --require-extension
+        # setup.py builds the CPU ops only where it cannot build the CUDA ones (its reason is in
+        # build.log): on the GPU machine that is a failure, not a fallback.
+        run cuda-ops python -c "import sys; from bert_fast import extension; sys.exit(0 if extension.load() and
+            extension.has_cuda_kernels() else 'the extension has no CUDA kernels: see build.log')" ;;
     tests-gpu)
         # The GPU-only tests, the graph and launch files, and the extension's GPU tests (with
         # the HF ones on backend cuda, and test_checks' probe of the extension's kernel image:
@@ -284,8 +288,11 @@ for step in "$@"; do
             --matrix-preset base --matrix-dtype bfloat16 -k "not max_autotune" \
             --matrix-record "$results/$stamp-matrix.json" --benchmark-json "$results/$stamp-matrix-benchmark.json" ;;
     *)
-        echo "unknown step '$step' (install build tests tests-gpu sanitize kernels kernels-small ncu-small attention-tiles attention-bwd-tiles layernorm-tiles bias-act-tiles small-m-gemm profile profile-graph-call profile-train profile-train-step host host-skip-padding suite-base suite-base-fp16 suite-large" \
-             "suite-train matrix)" >&2
+        echo "unknown step '$step' (install build tests-gpu tests sanitize sanitize-memcheck sanitize-racecheck" \
+             "kernels profile profile-blas profile-graph-call profile-train profile-train-step kernels-small" \
+             "attention-tiles attention-bwd-tiles attention-dropout-tiles layernorm-tiles layernorm-fwd-tiles" \
+             "bias-act-tiles column-sums-tiles small-m-gemm ncu-small host host-skip-padding suite-base" \
+             "suite-base-fp16 suite-large suite-train matrix)" >&2
         failures=$((failures + 1)) ;;
     esac
 done
