@@ -221,6 +221,12 @@ def _hf_bert(module):
     return hf
 
 
+def _fsdp_hint(why):
+    """FSDP's wrapped classes (FSDPBertModel, FSDPEncoderBlock...) are not the ones optimize()
+    swaps: say in which order to call them."""
+    return "; call optimize() before fully_shard / FSDP wraps the model" if "FSDP" in str(why) else ""
+
+
 def _convert_hf(hf, module, backend, encoder_options, path):
     skip_padding, cuda_graphs = encoder_options
     name = f"{path or 'model'} ({type(module).__name__})"
@@ -228,7 +234,7 @@ def _convert_hf(hf, module, backend, encoder_options, path):
         hf.convert(module, backend, skip_padding, cuda_graphs)
     except hf.Unsupported as why:
         warnings.warn(f"bert_fast.optimize: {name} is a Hugging Face BertModel but was left untouched: "
-                      f"unsupported {why}", stacklevel=4)
+                      f"unsupported {why}{_fsdp_hint(why)}", stacklevel=4)
     return module
 
 
@@ -256,7 +262,8 @@ def _swap(module, backend, encoder_options, path, done=None):
             return done[id(module)]
         except _Unsupported as why:
             warnings.warn(f"bert_fast.optimize: {path or 'model'} ({type(module).__name__}) looks like "
-                          f"a reference-style {kind} but was left untouched: unsupported {why}", stacklevel=3)
+                          f"a reference-style {kind} but was left untouched: unsupported {why}{_fsdp_hint(why)}",
+                          stacklevel=3)
     for name, child in module.named_children():
         new = _swap(child, backend, encoder_options, f"{path}.{name}" if path else name, done)
         if new is not child:

@@ -42,11 +42,14 @@ def _hook_dicts(module):
 
 def _all_plain(modules):
     """Whether none of ``modules`` has a hook or a forward set on the instance (accelerate's
-    hooks do that): what lets a forward compute them instead of calling them. Attribute reads,
-    no generator: this runs for every layer and call."""
+    hooks do that), nor a weight or bias that is a plain attribute rather than a Parameter
+    (FSDP1's flat parameters, use_orig_params=False, put views of its flat buffer there): what
+    lets a forward compute them instead of calling them. Attribute reads, no generator: this
+    runs for every layer and call."""
     for module in modules:
+        attributes = module.__dict__
         if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
-                or "forward" in module.__dict__):
+                or "forward" in attributes or "weight" in attributes or "bias" in attributes):
             return False
     return True
 
@@ -56,8 +59,10 @@ def _parameters_read(module, cls):
     itself (not a subclass with its own forward, such as a LoRA layer), plain (_all_plain's test,
     inlined: this runs several times a layer), and no global module hook is set. Else the module
     is called, so what it does, and its hooks, happen as in the reference."""
+    attributes = module.__dict__
     return (type(module) is cls and not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                                         or module._backward_pre_hooks or "forward" in module.__dict__)
+                                         or module._backward_pre_hooks or "forward" in attributes
+                                         or "weight" in attributes or "bias" in attributes)
             and not any(_GLOBAL_HOOKS))
 
 
@@ -250,11 +255,16 @@ def packed_qkv(holder, projections):
     weights = tuple([p["weight"] for p in parameters])
     biases = tuple([p["bias"] for p in parameters if p["bias"] is not None])
     params = weights + biases
+    compiling = torch.compiler.is_compiling()
     if (len(biases) in (0, 3) and not (torch.is_grad_enabled() and any(p.requires_grad for p in params))
-            and not torch.compiler.is_compiling()):
+            and not compiling):
         packing = _packing_of(holder, params)
         if packing is not None:
             return packing.weight, packing.bias
+    elif holder._qkv_packing is not None and not compiling:
+        # Training reads no packing: dropped (the next inference call makes it again), it keeps
+        # no Parameter alive that was replaced since (FSDP2's shards: a full QKV per layer).
+        holder._qkv_packing = None
     if len(biases) not in (0, 3):
         biases = [p["bias"] if p["bias"] is not None else p["weight"].new_zeros(p["weight"].shape[0])
                   for p in parameters]
@@ -267,9 +277,9 @@ def _packing_of(holder, params):
     they are not back to back."""
     packing = holder._qkv_packing
     if packing is None or not packing.holds(params):
-        packing = _QKVPacking.of(params)
-        if packing is not None:
-            holder._qkv_packing = packing
+        # (None: a stale packing dropped, which would keep the replaced Parameters and their
+        # buffer alive; FSDP2's fully_shard replaces them by shards.)
+        packing = holder._qkv_packing = _QKVPacking.of(params)
     return packing
 
 
@@ -508,8 +518,11 @@ def fused_layer(X, key_mask, backend, num_heads, dropout_p, activation, linears,
         amp_dtype = torch.get_autocast_dtype(X.device.type)
     q, k, v, o = w_q._parameters, w_k._parameters, w_v._parameters, w_o._parameters
     d1, d2, g1, g2 = dense1._parameters, dense2._parameters, ln1._parameters, ln2._parameters
-    flat = (q["weight"], k["weight"], v["weight"], q["bias"], k["bias"], v["bias"], o["weight"], o["bias"],
-            g1["weight"], g1["bias"], d1["weight"], d1["bias"], d2["weight"], d2["bias"], g2["weight"], g2["bias"])
+    try:
+        flat = (q["weight"], k["weight"], v["weight"], q["bias"], k["bias"], v["bias"], o["weight"], o["bias"],
+                g1["weight"], g1["bias"], d1["weight"], d1["bias"], d2["weight"], d2["bias"], g2["weight"], g2["bias"])
+    except KeyError:    # a weight that is not a Parameter (FSDP1's flat parameters, pruning): modules called
+        return None
     if (flat[3] is None) != (flat[4] is None) or (flat[3] is None) != (flat[5] is None):
         return None        # some Q/K/V projections with a bias, some without
     # The layer's Triton add-norms skip their input checks (the layer makes their inputs): what

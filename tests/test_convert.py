@@ -134,6 +134,16 @@ def test_unsupported_variant_left_untouched_with_warning():
     assert isinstance(model.block, R.EncoderBlock)
 
 
+def test_a_block_fsdp_wrapped_first_is_left_with_the_order_to_call_them_in():
+    """fully_shard gives a module the class FSDP<name> (a subclass): optimize() leaves it and
+    says to call optimize() first."""
+    model = nn.Module()
+    model.block = type("FSDPEncoderBlock", (R.EncoderBlock,), {})(8, 8, 8, 8, [8], 8, 16, 2, 0.0)
+    with pytest.warns(UserWarning, match=r"class name 'FSDPEncoderBlock'; call optimize\(\) before fully_shard"):
+        bert_fast.optimize(model)
+    assert type(model.block).__name__ == "FSDPEncoderBlock"
+
+
 def test_encoder_with_unsupported_block_keeps_its_other_blocks_fast():
     enc = R.BERTEncoder(**encoder_config()).eval()
     enc.blks[1].ffn.relu = nn.SiLU()

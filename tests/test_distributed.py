@@ -5,9 +5,10 @@ that single-process training on the whole batch gives (the reference BERTEncoder
 divided by the world size because both wrappers average gradients over ranks). Tolerance:
 fp32, |error| <= 1e-5 + 1e-5 * max|expected| per tensor.
 
-FSDP means FSDP2 (fully_shard): FSDP1 (FullyShardedDataParallel) refuses a machine without
-an accelerator in this torch ("FSDP needs a non-CPU accelerator device"), FSDP2 runs on CPU
-with gloo. DDP also runs compiled (torch.compile of the DDP module, inductor on CPU).
+FSDP means FSDP2 (fully_shard), which runs on CPU with gloo; FSDP1 (FullyShardedDataParallel)
+runs there given device_id=cpu, and is tested with its flat parameters (use_orig_params=False:
+the Linears' weights become plain tensors, not Parameters). DDP also runs compiled
+(torch.compile of the DDP module, inductor on CPU).
 
 Starting a rank costs about 6 s of imports on the 2-core test machine and a scenario a few
 milliseconds, so the two ranks are started once per module and run the scenarios the tests
@@ -16,11 +17,13 @@ of raising mid-way: a rank that raised between collectives would leave the other
 """
 
 import datetime
+import gc
 import os
 import queue
 import time
 import traceback
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -224,6 +227,27 @@ def _scenario_ddp(rank, *, backend, valid_lens, skip_padding=False, learn_pos_em
     return checks.report()
 
 
+def _scenario_fsdp1(rank, *, backend, valid_lens):
+    """FSDP1 with flat parameters: the fast modules must call the modules whose weight is a
+    plain tensor (they read Parameters: KeyError 'weight'). The flat names are not the
+    reference's: the training output and the eval output after the step are compared."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    checks = _Checks()
+    cfg = _config()
+    tokens, segments, valid_lens, weights = _batch(cfg, valid_lens)
+    local = _LocalBatch(rank, checks, tokens, segments, valid_lens, weights, skip_padding=False)
+    ref = _reference(cfg, learn_pos_embedding=False)
+    model = FastBERTEncoder(**cfg, backend=backend)
+    model.load_state_dict(ref.state_dict(), strict=True)
+    wrapped = FullyShardedDataParallel(model, use_orig_params=False, device_id=torch.device("cpu"))
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
+    local.check_eval(wrapped, ref, "before training")
+    local.train_step(wrapped, optimizer, _reference_step(ref, tokens, segments, valid_lens, weights, False))
+    local.check_eval(wrapped, ref, "after the step")
+    return checks.report()
+
+
 def _scenario_fsdp(rank, *, backend, valid_lens, pack_qkv=None, skip_padding=False):
     """pack_qkv: None, "before_wrap" or "after_wrap" (on the DTensor shards)."""
     from torch.distributed.fsdp import fully_shard
@@ -241,6 +265,7 @@ def _scenario_fsdp(rank, *, backend, valid_lens, pack_qkv=None, skip_padding=Fal
         checks.true(_back_to_back_view([attention.W_q.weight, attention.W_k.weight,
                                         attention.W_v.weight]) is not None,
                     f"{local.where}: pack_qkv_() did not pack (the scenario would test nothing)")
+    original = weakref.ref(model.blks[0].attention.W_q.weight)
     for blk in model.blks:
         fully_shard(blk)
     fully_shard(model)
@@ -253,6 +278,9 @@ def _scenario_fsdp(rank, *, backend, valid_lens, pack_qkv=None, skip_padding=Fal
     if pack_qkv == "after_wrap":
         model.pack_qkv_()
     _eval_step_eval(local, model, model, ref, optimizer, (tokens, segments, valid_lens, weights))
+    gc.collect()
+    # The packed QKV made at construction held the unsharded W_q/W_k/W_v: a full copy per layer.
+    checks.true(original() is None, f"{local.where}: the unsharded W_q is still alive after a step")
     return checks.report()
 
 
@@ -305,7 +333,7 @@ def _scenario_hf(rank, *, wrapper, backend, skip_padding=False):
     return checks.report()
 
 
-_SCENARIOS = {"ddp": _scenario_ddp, "fsdp": _scenario_fsdp, "hf": _scenario_hf}
+_SCENARIOS = {"ddp": _scenario_ddp, "fsdp": _scenario_fsdp, "fsdp1": _scenario_fsdp1, "hf": _scenario_hf}
 
 
 def _serve(rank, store_path, task_queues, results):
@@ -463,8 +491,17 @@ def test_fsdp_step_matches_single_process(ranks, backend):
     _assert_reports(ranks.run("fsdp", backend=_usable(backend), valid_lens=VALID_LENS))
 
 
-def test_fsdp_skip_padding(ranks):
-    _assert_reports(ranks.run("fsdp", backend="torch", valid_lens=VALID_LENS, skip_padding=True))
+@pytest.mark.parametrize("valid_lens", [VALID_LENS, [9, 13, 0, 0]],
+                         ids=["both_ranks_valid", "rank1_no_valid_token"])
+def test_fsdp_skip_padding(ranks, valid_lens):
+    """In the second case rank 1 packs no token: its QKV weights must still get (zero)
+    gradients, or FSDP's reduce-scatter sends fewer bytes there (gloo aborted the process)."""
+    _assert_reports(ranks.run("fsdp", backend="torch", valid_lens=valid_lens, skip_padding=True))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fsdp1_flat_parameters(ranks, backend):
+    _assert_reports(ranks.run("fsdp1", backend=backend, valid_lens=VALID_LENS))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -743,3 +743,18 @@ def test_mlm_positions_of_another_batch_raise():
     for bad in (torch.tensor([[0, 1, 2]]), torch.tensor([0, 1, 2])):
         with pytest.raises(ValueError, match=r"pred_positions must have shape \(batch, num_predictions\) with batch 2"):
             model(tokens, segments, None, bad)
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_a_batch_without_a_valid_token_gives_every_parameter_a_gradient(backend):
+    """skip_padding with every valid_len 0 (a data-parallel rank's share can be that): every
+    Parameter gets a gradient, zeros where nothing reached it, on every backend. The torch
+    backend's attention gave an empty context cut from the QKV projection: its weights got None,
+    and FSDP2's reduce-scatter then sent fewer bytes on that rank (gloo aborted the process)."""
+    encoder = FastBERTEncoder(**encoder_config(), skip_padding=True, learn_pos_embedding=True,
+                              backend=backend).train()
+    tokens, segments = random_inputs(2, 5, encoder_config()["vocab_size"])
+    encoder(tokens, segments, torch.tensor([0, 0])).sum().backward()
+    missing = [name for name, p in encoder.named_parameters() if p.grad is None]
+    assert not missing, missing
+    assert all(not p.grad.any() for name, p in encoder.named_parameters() if "attention" in name)

@@ -1166,4 +1166,6 @@ def unpadded_self_attention(qkv, num_heads, unpadding, valid_lens, dropout_p=0.0
         q, k, v = (x.unflatten(-1, (num_heads, -1)).transpose(0, 1)[None] for x in chunk.chunk(3, dim=-1))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=_unmasked(q, k.shape[2]), dropout_p=dropout_p)
         outputs.append(out[0].transpose(0, 1).reshape(-1, hidden))
-    return torch.cat(outputs) if outputs else qkv.new_empty(0, hidden)
+    # No valid token: an empty context still cut from qkv, so the projection's weights get zero
+    # gradients, not None (as on the other backends: DDP and FSDP expect every rank's the same).
+    return torch.cat(outputs) if outputs else qkv[:, :hidden].clone()
