@@ -80,7 +80,7 @@ from .cuda_graph import _Bucket, _Calls, _is_ids, _sliced, bucket_batch, bucket_
     clear_cuda_graphs, graphed
 from .ops._triton import values_on_host
 from .modules import _ACTIVATION_FUNCTIONS, _GLOBAL_HOOKS, _hook_dicts, _linear, _pack_back_to_back_, \
-    _dropout_rate, _parameters_read, _QKVPacking, _table_read, fused_layer, packed_qkv
+    _dropout_rate, _drop_packing, _parameters_read, _QKVPacking, _table_read, fused_layer, packed_qkv
 from .ops.embedding_layernorm import embedding_layernorm
 
 
@@ -411,6 +411,7 @@ class FastBertLayer(BertLayer):
         linears = (attn.query, attn.key, attn.value)
         # (Pruning takes "weight" or "bias" out of _parameters: such a Linear is called.)
         if not all(type(m) is nn.Linear and "weight" in m._parameters and "bias" in m._parameters for m in linears):
+            _drop_packing(self)
             return torch.cat([_linear(m, X) for m in linears], dim=-1)
         return F.linear(X, *packed_qkv(self, linears))
 
@@ -537,7 +538,8 @@ class FastBertModel(BertModel):
                 and attention_mask.shape != input_ids.shape and input_ids.dim() == attention_mask.dim() == 2
                 and all(m in (1, n) for m, n in zip(attention_mask.shape, input_ids.shape))):
             # (B, 1), (1, L): HF broadcasts them, so HF's answer (other shapes: the fast path's error).
-            reason = f"an attention_mask of shape {tuple(attention_mask.shape)}, not input_ids' {tuple(input_ids.shape)}"
+            # (One reason for every shape: the warned set and the warning registry stay small.)
+            reason = "an attention_mask that HF broadcasts over input_ids (shape (B, 1) or (1, L))"
         if reason is not None:
             self._warn_fallback(reason)
             return super().forward(input_ids, attention_mask, token_type_ids, position_ids, *args, **kwargs)

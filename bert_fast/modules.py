@@ -168,6 +168,7 @@ class FastMultiHeadAttention(nn.Module):
         w_q, w_k, w_v = sub["W_q"], sub["W_k"], sub["W_v"]
         if type(w_q) is type(w_k) is type(w_v) is nn.Linear and _all_plain((w_q, w_k, w_v)) and not any(_GLOBAL_HOOKS):
             return F.linear(X, *self._packed_qkv())
+        _drop_packing(self)
         return torch.cat([w_q(X), w_k(X), w_v(X)], dim=-1)
 
     @torch.no_grad()
@@ -255,20 +256,27 @@ def packed_qkv(holder, projections):
     weights = tuple([p["weight"] for p in parameters])
     biases = tuple([p["bias"] for p in parameters if p["bias"] is not None])
     params = weights + biases
-    compiling = torch.compiler.is_compiling()
     if (len(biases) in (0, 3) and not (torch.is_grad_enabled() and any(p.requires_grad for p in params))
-            and not compiling):
+            and not torch.compiler.is_compiling()):
         packing = _packing_of(holder, params)
         if packing is not None:
             return packing.weight, packing.bias
-    elif holder._qkv_packing is not None and not compiling:
+    else:
         # Training reads no packing: dropped (the next inference call makes it again), it keeps
         # no Parameter alive that was replaced since (FSDP2's shards: a full QKV per layer).
-        holder._qkv_packing = None
+        _drop_packing(holder)
     if len(biases) not in (0, 3):
         biases = [p["bias"] if p["bias"] is not None else p["weight"].new_zeros(p["weight"].shape[0])
                   for p in parameters]
     return torch.cat(weights), torch.cat(biases) if biases else None
+
+
+def _drop_packing(holder):
+    """Forget ``holder``'s packed QKV where a call does not read it (training, projections
+    called as modules: quantized, wrapped): the Parameters it names may have been replaced, and
+    it would keep them and their buffer alive. Not while torch.compile traces (a mutation)."""
+    if holder._qkv_packing is not None and not torch.compiler.is_compiling():
+        holder._qkv_packing = None
 
 
 def _packing_of(holder, params):

@@ -47,8 +47,10 @@ ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 def _linear_act_torch(x, weight, bias, activation):
     y = F.linear(x, weight, bias)
     if activation == "relu":
-        # In place is safe under autograd: linear's backward never reads its own output.
-        return F.relu(y, inplace=True)
+        # In place is safe under autograd: linear's backward never reads its own output. Not on
+        # a view (F.linear's of a 3-D input, recording): autograd would rebuild its base in the
+        # backward (CopySlices), three activation-sized buffers. (Compiled: functionalised, as before.)
+        return F.relu(y, inplace=torch.compiler.is_compiling() or not (y.requires_grad and y._is_view()))
     if activation == "gelu":
         return F.gelu(y)
     if activation == "gelu_tanh":

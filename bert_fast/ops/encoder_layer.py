@@ -368,6 +368,7 @@ class _EncoderLayer(torch.autograd.Function):
         d_f = as_dtype(d_f, gemm_dtype)
         d_w2 = d_f.t().mm(h) if needs[16] else None
         d_h = d_f.mm(w_2)
+        del d_f         # (each gradient freed once used: the backward's peak is the reference's)
         if sums is not None:
             # GELU's derivative reads the bias; ReLU's mask needs it only for its gradient.
             bias = b_1 if needs[15] or spec.activation != "relu" else None
@@ -381,6 +382,7 @@ class _EncoderLayer(torch.autograd.Function):
             d_b1 = d_b1 if needs[15] else None
         d_w1 = d_z.t().mm(y_gemm) if needs[14] else None
         d_y = _add_product(d_res, d_z, w_1)                 # + the residual's gradient, in the GEMM
+        del d_h, d_z, d_res
 
         # LN1, the output projection, attention, the packed QKV projection.
         d_res, d_projected, d_ln1_w, d_ln1_b, d_b_o = _layernorm_backward(
@@ -392,8 +394,10 @@ class _EncoderLayer(torch.autograd.Function):
         d_projected = as_dtype(d_projected, gemm_dtype)
         d_w_o = d_projected.t().mm(context) if needs[10] else None
         d_context = d_projected.mm(w_o).view(x_norm.shape)
+        del d_projected, d_y
         d_qkv = _attention_backward(d_context, qkv, key_mask, spec.num_heads, p, seeds[0],
                                     attention_saved).reshape(-1, 3 * hidden)
+        del d_context
         thirds = (hidden,) * 3         # split_with_sizes: Tensor.split's Python wrapper costs ~2.5 us more
         d_w_qkv = (as_dtype(d_qkv.t().mm(rows_gemm), ctx.qkv_dtype).split_with_sizes(thirds) if any(needs[4:7])
                    else (None,) * 3)
