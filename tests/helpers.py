@@ -1,5 +1,7 @@
 """Shared helpers for the tests: model pairs with equal weights, and error reporting."""
 
+import weakref
+
 import pytest
 import torch
 
@@ -105,6 +107,35 @@ def assert_within_rule(actual, reference, same_precision_torch, what="output"):
     """STYLE.md: error vs the (fp64) reference <= 2x PyTorch's error at that precision + floor."""
     bound = 2 * max_err(same_precision_torch, reference) + FLOOR[actual.dtype]
     assert_close(actual, reference.to(actual.dtype), atol=bound, what=what)
+
+class _MadeTensors(torch.utils._python_dispatch.TorchDispatchMode):
+    """Within: a weak reference, shape and dtype of every tensor an op makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.made.append((weakref.ref(t), tuple(t.shape), t.dtype))
+        return out
+
+
+def held_by_the_graph(forward):
+    """(shape, dtype) of each tensor ``forward()`` makes that the autograd graph of its output
+    still holds once the backward has run: what a loss kept referenced (a training loop's
+    ``loss`` is, through the next step's forward) keeps alive."""
+    with _MadeTensors() as mode:
+        out = forward()
+    loss = out.sum()
+    del out
+    loss.backward()
+    alive = [i for i, (ref, _, _) in enumerate(mode.made) if ref() is not None]
+    del loss
+    return [mode.made[i][1:] for i in alive if mode.made[i][0]() is None]
+
 
 # Kernel tests run on CUDA when there is one, else on CPU tensors under the interpreter.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -19,7 +19,7 @@ from bert_fast import reference as R
 from bert_fast.backend import available_backends
 from bert_fast.modules import FastEncoderBlock
 from bert_fast.ops._triton import interpreting, kernels_on_cpu
-from tests.helpers import BF16_OK, assert_close, needs_cuda, needs_kernels
+from tests.helpers import BF16_OK, assert_close, held_by_the_graph, needs_cuda, needs_kernels
 
 BACKENDS = [b for b in available_backends() if b in ("triton", "cuda")]
 B, L, HEADS, HEAD_DIM, FFN = 2, 11, 2, 16, 48        # L not a multiple of the kernels' tiles
@@ -342,6 +342,34 @@ def test_fused_layer_on_packed_tokens_of_empty_sequences_only(backend, kernels):
     assert fused[0].shape == per_op[0].shape == (0, H)
     for name, grad in fused[2].items():
         assert grad is not None and torch.count_nonzero(grad) == 0, name
+
+
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=needs_kernels)], ids=["cpu", "kernels"])
+@pytest.mark.parametrize("packing", [None, "counted", "static"])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+@pytest.mark.parametrize("per_op", [False, True], ids=["fused", "per-op"])
+@pytest.mark.parametrize("backend", ["torch", *BACKENDS])
+def test_the_graph_holds_nothing_after_the_backward(backend, per_op, dropout, packing, kernels):
+    """A training loop's ``loss`` is referenced through the next step's forward: what its graph
+    holds after the backward is memory the next forward runs without. Only the dropout seeds
+    (one element each) may stay; the key mask (made once for all layers) is made outside."""
+    if packing == "static" and not kernels:
+        pytest.skip("the static packing runs the kernels (or their CPU twin with dropout)")
+    block = make_block(backend, dropout)
+    if per_op:
+        block.attention.register_forward_hook(lambda *args: None)
+    x, _ = inputs()
+    valid_lens = PACKED_VALID_LENS["empty-seq"]
+    if packing is None:
+        key_mask, unpadding = ops.prepare_key_mask(valid_lens, L, backend), None
+    else:
+        x, _, unpadding = packed_inputs(valid_lens, PACKINGS[packing])
+        key_mask = None
+    x.requires_grad_()
+    with kernels_on_cpu() if kernels else contextlib.nullcontext():
+        held = held_by_the_graph(lambda: block(x, key_mask, unpadding=unpadding))
+    assert all(shape == (1,) and dtype == torch.int64 for shape, dtype in held), held
+    assert len(held) <= (3 if dropout else 0), held
 
 
 def test_output_is_not_a_view_and_can_be_edited_in_place():

@@ -541,9 +541,10 @@ class _AddLayerNorm(torch.autograd.Function):
     def forward(ctx, extension, x, residual, weight, bias, eps, seed, dropout_p):
         forward_op = _ext_fwd if extension else _add_layernorm_fwd
         out, mean, rstd = forward_op(x, residual, weight, bias, eps, seed, dropout_p)
-        ctx.save_for_backward(x, residual, weight)
-        # Intermediates (neither inputs nor outputs) may sit on ctx directly: no SavedVariable.
-        ctx.stats = (mean, rstd, seed)
+        # The statistics saved, not kept on ctx: ctx lives as long as the graph (a loss still
+        # referenced in the next step's forward), saved tensors only until the backward.
+        ctx.save_for_backward(x, residual, weight, mean, rstd)
+        ctx.seed = seed
         ctx.extension, ctx.dropout_p, ctx.has_bias = extension, dropout_p, bias is not None
         return out
 
@@ -551,7 +552,7 @@ class _AddLayerNorm(torch.autograd.Function):
     @once_differentiable("add_layernorm", "bert_fast::add_layernorm_bwd")
     def backward(ctx, grad_out):
         backward_op = _ext_bwd if ctx.extension else _saved_bwd
-        return (None, *_input_grads(ctx, ctx.saved_tensors + ctx.stats, backward_op, grad_out), None, None, None)
+        return (None, *_input_grads(ctx, (*ctx.saved_tensors, ctx.seed), backward_op, grad_out), None, None, None)
 
 
 def autocast_norm_dtype(x, residual):

@@ -115,26 +115,28 @@ def _sequence_heads(rows, num_heads):
 
 
 def _per_sequence_forward(qkv, seqlens, num_heads):
-    outputs, saved = [], []
+    """(context (N, H), the LSE of each non-empty sequence)."""
+    outputs, lses = [], []
     for rows in qkv.split(seqlens):
         if rows.shape[0] == 0:
             continue
         out, lse = _flash_cpu(*_sequence_heads(rows, num_heads), 0.0, False, attn_mask=_unmasked(rows, rows.shape[0]))
-        saved.append((out, lse))
+        lses.append(lse)
         outputs.append(out[0].transpose(0, 1).reshape(rows.shape[0], -1))
     context = torch.cat(outputs) if outputs else qkv.new_empty(0, qkv.shape[-1] // 3)
-    return context, saved
+    return context, lses
 
 
-def _per_sequence_backward(grad, qkv, seqlens, num_heads, saved):
-    grads, saved = [], iter(saved)
-    for rows, grad_rows in zip(qkv.split(seqlens), grad.split(seqlens)):
+def _per_sequence_backward(grad, qkv, context, seqlens, num_heads, lses):
+    grads, lses = [], iter(lses)
+    for rows, grad_rows, out in zip(qkv.split(seqlens), grad.split(seqlens), context.split(seqlens)):
         n = rows.shape[0]
         if n == 0:
             continue
-        out, lse = next(saved)
-        grad_rows = grad_rows.view(n, num_heads, -1).transpose(0, 1)[None]
-        dq, dk, dv = _flash_cpu_backward(grad_rows, *_sequence_heads(rows, num_heads), out, lse, 0.0, False,
+        # The attention output as the forward's kernel gave it, (1, heads, n, d), a view of the
+        # context's rows (the kernel reads its operands' strides: the same bits as its own).
+        out, grad_rows = (t.view(n, num_heads, -1).transpose(0, 1)[None] for t in (out, grad_rows))
+        dq, dk, dv = _flash_cpu_backward(grad_rows, *_sequence_heads(rows, num_heads), out, next(lses), 0.0, False,
                                          attn_mask=_unmasked(rows, n))
         # (3, 1, heads, n, d) -> (n, 3, heads, d): the packed projection's layout.
         grads.append(torch.stack((dq, dk, dv)).squeeze(1).permute(2, 0, 1, 3).reshape(n, -1))
@@ -142,19 +144,21 @@ def _per_sequence_backward(grad, qkv, seqlens, num_heads, saved):
 
 
 def _attention_forward(qkv, key_mask, num_heads, dropout_p, seed, saves=True):
-    """(context (B, L, H) or, for packed valid tokens, (N, H); what the backward needs).
-    ``saves=False`` (inference): the kernels skip the LSE the backward would read."""
+    """(context (B, L, H) or, for packed valid tokens, (N, H); the LSEs the backward reads with
+    it: a list of one tensor, or one per sequence; None where ``saves`` is False (inference:
+    the kernels skip the LSE)). The context is all of the attention output the backward needs:
+    where a kernel's output has another layout, the backward views the context in it."""
     if isinstance(key_mask, Unpadding):
         if _per_sequence(qkv, key_mask, dropout_p):
             return _per_sequence_forward(qkv, key_mask.seqlens, num_heads)
         out, lse = _varlen_attention_fwd(qkv, key_mask.cu_seqlens, num_heads, key_mask.seqlen, dropout_p, seed,
                                          key_mask.static, lse=saves)
-        return out, (out, lse)
+        return out, [lse]
     if _uses_kernels(qkv, dropout_p):
         valid_lens = None if key_mask is None else key_mask.valid_lens
         counts = None if key_mask is None else key_mask.counts
         out, lse = _attention_fwd(qkv, valid_lens, num_heads, dropout_p, seed, counts, lse=saves)
-        return out, (out, lse)
+        return out, [lse]
     q, k, v, mask, query_keep = _cpu_attention_args(qkv, num_heads, key_mask)
     if query_keep is not None:
         q = q * query_keep
@@ -162,27 +166,28 @@ def _attention_forward(qkv, key_mask, num_heads, dropout_p, seed, saves=True):
         out, lse = _flash_cpu(q, k, v, 0.0, False, attn_mask=mask)
     else:       # SDPA runs the same fused CPU kernel from C++: ~2 us less host time, no LSE kept
         out, lse = F.scaled_dot_product_attention(q, k, v, attn_mask=mask), None
-    return out.transpose(1, 2).reshape(qkv.shape[0], qkv.shape[1], -1), (out, lse)
+    return out.transpose(1, 2).reshape(qkv.shape[0], qkv.shape[1], -1), [lse]
 
 
-def _attention_backward(grad, qkv, key_mask, num_heads, dropout_p, seed, saved):
+def _attention_backward(grad, qkv, context, key_mask, num_heads, dropout_p, seed, lses):
     """d_qkv, qkv's shape."""
     if isinstance(key_mask, Unpadding):
         if _per_sequence(qkv, key_mask, dropout_p):
-            return _per_sequence_backward(grad, qkv, key_mask.seqlens, num_heads, saved)
-        out, lse = saved
-        return _varlen_attention_bwd(grad, qkv, out, lse, key_mask.cu_seqlens, num_heads, key_mask.seqlen,
+            return _per_sequence_backward(grad, qkv, context, key_mask.seqlens, num_heads, lses)
+        return _varlen_attention_bwd(grad, qkv, context, lses[0], key_mask.cu_seqlens, num_heads, key_mask.seqlen,
                                      dropout_p, seed, key_mask.static, check=False)
-    out, lse = saved
     if _uses_kernels(qkv, dropout_p):
         valid_lens = None if key_mask is None else key_mask.valid_lens
         counts = None if key_mask is None else key_mask.counts
-        return _attention_bwd(grad, qkv, out, lse, valid_lens, num_heads, dropout_p, seed, counts, check=False)
+        return _attention_bwd(grad, qkv, context, lses[0], valid_lens, num_heads, dropout_p, seed, counts,
+                              check=False)
     q, k, v, mask, query_keep = _cpu_attention_args(qkv, num_heads, key_mask)
     if query_keep is not None:
         q = q * query_keep
-    grad = grad.view(*grad.shape[:2], num_heads, -1).transpose(1, 2)
-    dq, dk, dv = _flash_cpu_backward(grad, q, k, v, out, lse, 0.0, False, attn_mask=mask)
+    # (B, L, H) -> (B, heads, L, d) views: the output as the forward's kernel gave it (see
+    # _per_sequence_backward) and the gradient.
+    out, grad = (t.view(*t.shape[:2], num_heads, -1).transpose(1, 2) for t in (context, grad))
+    dq, dk, dv = _flash_cpu_backward(grad, q, k, v, out, lses[0], 0.0, False, attn_mask=mask)
     if query_keep is not None:
         dq = dq * query_keep
     # (3, B, heads, L, d) -> (B, L, 3, heads, d): the packed projection's layout.
@@ -303,7 +308,7 @@ def _layer_forward(spec, key_mask, packed, x, params, ctx=None):
     qkv = F.linear(x_gemm, w_qkv, b_qkv)
     # Seeds in the per-op path's order (attention, then the two dropouts of the add-norms).
     seeds = tuple(dropout_seed(p, x.device) for _ in range(3)) if p > 0.0 else (None,) * 3
-    context, attention_saved = _attention_forward(qkv, key_mask, spec.num_heads, p, seeds[0], ctx is not None)
+    context, lses = _attention_forward(qkv, key_mask, spec.num_heads, p, seeds[0], ctx is not None)
     projected = as_dtype(F.linear(context, w_o, b_o), norm_dtype)
     x_norm = as_dtype(x, norm_dtype)
     y, mean1, rstd1 = ln_fwd(projected, x_norm, ln1_w, ln1_b, spec.eps1, seeds[1], p)
@@ -324,11 +329,14 @@ def _layer_forward(spec, key_mask, packed, x, params, ctx=None):
         # Without autocast x_norm and x_gemm are x, and rows is y's 2-D view. The packed QKV
         # view shares W_q's version counter only: W_k and W_v are saved too, so that autograd
         # raises, as for the reference, when they are changed in place before the backward.
+        # Every tensor the backward reads is saved, none kept on ctx: ctx lives as long as the
+        # graph (a loss still referenced in the next step's forward), saved tensors only until
+        # the backward. The key mask (one for all layers) and the seeds are a few bytes.
         versioned = (w_k, w_v) if packed[0] is not None else ()
         ctx.save_for_backward(x_norm, x_gemm, w_qkv, qkv, context, projected, y, rows, act_saved, h, f,
-                              w_o, ln1_w, w_1, b_1, w_2, ln2_w, *versioned)
-        # Intermediates that are neither inputs nor outputs may sit on ctx (no SavedVariable).
-        ctx.extras = (key_mask, attention_saved, seeds, (mean1, rstd1, mean2, rstd2))
+                              w_o, ln1_w, w_1, b_1, w_2, ln2_w, mean1, rstd1, mean2, rstd2, *versioned, *lses)
+        ctx.lses_at = 21 + len(versioned)
+        ctx.key_mask, ctx.seeds = key_mask, seeds
         ctx.spec, ctx.biases = spec, tuple(b is not None for b in (b_qkv, b_o, ln1_b, ln2_b))
         ctx.qkv_dtype = w_q.dtype
     return out
@@ -344,12 +352,13 @@ class _EncoderLayer(torch.autograd.Function):
     @staticmethod
     @once_differentiable("the fused encoder layer", "bert_fast::add_layernorm_bwd")
     def backward(ctx, grad_out):
+        saved = ctx.saved_tensors
         (x_norm, x_gemm, w_qkv, qkv, context, projected, y, y_gemm, act_saved, h, f,
-         w_o, ln1_w, w_1, b_1, w_2, ln2_w, *_) = ctx.saved_tensors
-        key_mask, attention_saved, seeds, (mean1, rstd1, mean2, rstd2) = ctx.extras
+         w_o, ln1_w, w_1, b_1, w_2, ln2_w, mean1, rstd1, mean2, rstd2) = saved[:21]
+        lses, key_mask, seeds = saved[ctx.lses_at:], ctx.key_mask, ctx.seeds
         spec, (has_b_qkv, has_b_o, has_ln1_b, has_ln2_b) = ctx.spec, ctx.biases
         p, hidden, gemm_dtype = spec.dropout_p, x_norm.shape[-1], qkv.dtype
-        rows, context, projected = (t.reshape(-1, hidden) for t in (x_norm, context, projected))
+        rows, context_rows, projected = (t.reshape(-1, hidden) for t in (x_norm, context, projected))
         if spec.amp_dtype is None:      # one tensor each in two roles (see the forward)
             rows_gemm, y = rows, y_gemm
         else:
@@ -392,11 +401,11 @@ class _EncoderLayer(torch.autograd.Function):
             d_ln2_w, d_ln2_b, d_b2, d_b1, d_ln1_w, d_ln1_b, d_b_o = map(
                 sums.take, (d_ln2_w, d_ln2_b, d_b2, d_b1, d_ln1_w, d_ln1_b, d_b_o))
         d_projected = as_dtype(d_projected, gemm_dtype)
-        d_w_o = d_projected.t().mm(context) if needs[10] else None
+        d_w_o = d_projected.t().mm(context_rows) if needs[10] else None
         d_context = d_projected.mm(w_o).view(x_norm.shape)
         del d_projected, d_y
-        d_qkv = _attention_backward(d_context, qkv, key_mask, spec.num_heads, p, seeds[0],
-                                    attention_saved).reshape(-1, 3 * hidden)
+        d_qkv = _attention_backward(d_context, qkv, context, key_mask, spec.num_heads, p, seeds[0],
+                                    lses).reshape(-1, 3 * hidden)
         del d_context
         thirds = (hidden,) * 3         # split_with_sizes: Tensor.split's Python wrapper costs ~2.5 us more
         d_w_qkv = (as_dtype(d_qkv.t().mm(rows_gemm), ctx.qkv_dtype).split_with_sizes(thirds) if any(needs[4:7])
