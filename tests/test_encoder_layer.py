@@ -372,6 +372,22 @@ def test_the_graph_holds_nothing_after_the_backward(backend, per_op, dropout, pa
     assert len(held) <= (3 if dropout else 0), held
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_retained_graph_runs_its_backward_twice(backend, dropout):
+    """retain_graph=True: the second backward reads the same saved tensors (and dropout masks)."""
+    block = make_block(backend, dropout)
+    x, grad_out = inputs()
+    x.requires_grad_()
+    out = block(x, VALID_LENS["2d"])
+    assert type(out.grad_fn).__name__ == "_EncoderLayerBackward"
+    out.backward(grad_out, retain_graph=True)
+    first = [t.grad.clone() for t in (x, *block.parameters())]
+    out.backward(grad_out)
+    for once, twice in zip(first, (x.grad, *(p.grad for p in block.parameters()))):
+        assert_close(twice, 2 * once, atol=1e-5, rtol=1e-5, what="gradient after two backwards")
+
+
 def test_output_is_not_a_view_and_can_be_edited_in_place():
     block = make_block("triton")
     x, _ = inputs()
