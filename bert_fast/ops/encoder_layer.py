@@ -138,8 +138,8 @@ def _per_sequence_backward(grad, qkv, context, seqlens, num_heads, lses):
         out, grad_rows = (t.view(n, num_heads, -1).transpose(0, 1)[None] for t in (out, grad_rows))
         dq, dk, dv = _flash_cpu_backward(grad_rows, *_sequence_heads(rows, num_heads), out, next(lses), 0.0, False,
                                          attn_mask=_unmasked(rows, n))
-        # (3, 1, heads, n, d) -> (n, 3, heads, d): the packed projection's layout.
-        grads.append(torch.stack((dq, dk, dv)).squeeze(1).permute(2, 0, 1, 3).reshape(n, -1))
+        # (1, heads, n, d) each -> (n, 3, heads, d), the packed projection's layout, in one copy.
+        grads.append(torch.stack((dq[0].transpose(0, 1), dk[0].transpose(0, 1), dv[0].transpose(0, 1)), 1).view(n, -1))
     return torch.cat(grads) if grads else torch.zeros_like(qkv)
 
 
@@ -190,8 +190,9 @@ def _attention_backward(grad, qkv, context, key_mask, num_heads, dropout_p, seed
     dq, dk, dv = _flash_cpu_backward(grad, q, k, v, out, lses[0], 0.0, False, attn_mask=mask)
     if query_keep is not None:
         dq = dq * query_keep
-    # (3, B, heads, L, d) -> (B, L, 3, heads, d): the packed projection's layout.
-    return torch.stack((dq, dk, dv)).permute(1, 3, 0, 2, 4).reshape(qkv.shape)
+    # (B, heads, L, d) each -> (B, L, 3, heads, d), the packed projection's layout, in one copy
+    # (a stack, then a permuted copy, held three such tensors at once: the training peak).
+    return torch.stack((dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)), 2).view(qkv.shape)
 
 
 def _layernorm_forward(extension, stats, on_cpu):
@@ -389,9 +390,10 @@ class _EncoderLayer(torch.autograd.Function):
         else:
             d_z, d_b1 = _bias_act_bwd(d_h, act_saved, b_1, spec.activation, check=False)
             d_b1 = d_b1 if needs[15] else None
+        del d_h
         d_w1 = d_z.t().mm(y_gemm) if needs[14] else None
         d_y = _add_product(d_res, d_z, w_1)                 # + the residual's gradient, in the GEMM
-        del d_h, d_z, d_res
+        del d_z, d_res
 
         # LN1, the output projection, attention, the packed QKV projection.
         d_res, d_projected, d_ln1_w, d_ln1_b, d_b_o = _layernorm_backward(
