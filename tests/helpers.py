@@ -4,6 +4,7 @@ import weakref
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from bert_fast import FastBERTEncoder
 from bert_fast import cuda_graph
@@ -135,6 +136,34 @@ def held_by_the_graph(forward):
     alive = [i for i, (ref, _, _) in enumerate(mode.made) if ref() is not None]
     del loss
     return [mode.made[i][1:] for i in alive if mode.made[i][0]() is None]
+
+
+class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Within: the peak of the bytes held by the storages that ops made (not those of the
+    tensors an op was given: a view or an in-place op's result), as each op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages, self.peak = {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        given = {t.untyped_storage()._cdata for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                 if isinstance(t, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in given:
+                storage = t.untyped_storage()
+                self.storages.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes()))
+        self.storages = {key: (ref, size) for key, (ref, size) in self.storages.items() if not ref.expired()}
+        self.peak = max(self.peak, sum(size for _, size in self.storages.values()))
+        return out
+
+
+def peak_bytes(forward):
+    """The peak of the memory that ``forward()``'s ops allocate (tensors on any device)."""
+    with _LiveBytes() as mode:
+        forward()
+    return mode.peak
 
 
 # Kernel tests run on CUDA when there is one, else on CPU tensors under the interpreter.

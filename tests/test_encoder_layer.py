@@ -19,7 +19,7 @@ from bert_fast import reference as R
 from bert_fast.backend import available_backends
 from bert_fast.modules import FastEncoderBlock
 from bert_fast.ops._triton import interpreting, kernels_on_cpu
-from tests.helpers import BF16_OK, assert_close, held_by_the_graph, needs_cuda, needs_kernels
+from tests.helpers import BF16_OK, assert_close, held_by_the_graph, needs_cuda, needs_kernels, peak_bytes
 
 BACKENDS = [b for b in available_backends() if b in ("triton", "cuda")]
 B, L, HEADS, HEAD_DIM, FFN = 2, 11, 2, 16, 48        # L not a multiple of the kernels' tiles
@@ -370,6 +370,26 @@ def test_the_graph_holds_nothing_after_the_backward(backend, per_op, dropout, pa
         held = held_by_the_graph(lambda: block(x, key_mask, unpadding=unpadding))
     assert all(shape == (1,) and dtype == torch.int64 for shape, dtype in held), held
     assert len(held) <= (3 if dropout else 0), held
+
+
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=needs_kernels)], ids=["cpu", "kernels"])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_inference_peak_is_the_per_op_paths(backend, activation, kernels):
+    """Inference frees each intermediate once read (the function's locals held them to its end:
+    twice the per-op path's peak)."""
+    block = make_block(backend, activation=activation).eval()
+    x, _ = inputs()
+    key_mask = ops.prepare_key_mask(VALID_LENS["1d"], L, backend, x.dtype)       # as the encoder makes it
+    peaks = []
+    with torch.no_grad(), kernels_on_cpu() if kernels else contextlib.nullcontext():
+        for hooked in (False, True):
+            handle = block.attention.register_forward_hook(lambda *args: None) if hooked else None
+            peaks.append(peak_bytes(lambda: block(x, key_mask)))
+            if handle is not None:
+                handle.remove()
+    fused, per_op = peaks
+    assert 0 < fused <= per_op, f"peak of the fused layer {fused} B, of the per-op path {per_op} B"
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3])

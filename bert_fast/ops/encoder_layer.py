@@ -288,7 +288,8 @@ def _layernorm_backward(spec, has_x_bias, grad, x, residual, weight, mean, rstd,
 def _layer_forward(spec, key_mask, packed, x, params, ctx=None):
     """The layer's output for x (B, L, H), or (N, H) packed tokens; with ``ctx`` (_EncoderLayer's
     forward) it also keeps what the backward needs. Without, nothing is kept: inference frees
-    each intermediate as the per-op path does."""
+    each intermediate once read, as the per-op path does (held by this function's locals to
+    its end, they made the layer's peak twice the per-op path's)."""
     (w_q, w_k, w_v, b_q, b_k, b_v, w_o, b_o, ln1_w, ln1_b, w_1, b_1, w_2, b_2, ln2_w, ln2_b) = params
     p, amp = spec.dropout_p, spec.amp_dtype
     ln_fwd = _layernorm_forward(spec.extension, ctx is not None, cpu_kernel(x))
@@ -311,9 +312,14 @@ def _layer_forward(spec, key_mask, packed, x, params, ctx=None):
     seeds = tuple(dropout_seed(p, x.device) for _ in range(3)) if p > 0.0 else (None,) * 3
     context, lses = _attention_forward(qkv, key_mask, spec.num_heads, p, seeds[0], ctx is not None)
     projected = as_dtype(F.linear(context, w_o, b_o), norm_dtype)
+    gemm_dtype = qkv.dtype
+    if ctx is None:
+        del x_gemm, qkv, context
     x_norm = as_dtype(x, norm_dtype)
     y, mean1, rstd1 = ln_fwd(projected, x_norm, ln1_w, ln1_b, spec.eps1, seeds[1], p)
-    rows = as_dtype(y.view(-1, y.shape[-1]), qkv.dtype)
+    if ctx is None:
+        del x_norm, projected, mean1, rstd1
+    rows = as_dtype(y.view(-1, y.shape[-1]), gemm_dtype)
     if spec.activation == "relu":
         # The GEMM's ReLU epilogue (bias in the fp32 accumulator); its output is the mask.
         h = torch._addmm_activation(b_1, rows, w_1.t()) if b_1 is not None else torch.relu(torch.mm(rows, w_1.t()))
@@ -321,8 +327,11 @@ def _layer_forward(spec, key_mask, packed, x, params, ctx=None):
     else:
         z = torch.mm(rows, w_1.t())
         h = _bias_act_fwd(z, b_1, spec.activation)
-        act_saved = z
+        act_saved = z if ctx is not None else None
+        del z
     f = as_dtype(F.linear(h, w_2, b_2), norm_dtype)
+    if ctx is None:
+        del rows, act_saved, h
     # On x's shape: the output is then the kernel's fresh tensor, not a view of it (a view
     # made inside a Function could not be edited in place, which the reference's output can).
     out, mean2, rstd2 = ln_fwd(f.view(x.shape), y, ln2_w, ln2_b, spec.eps2, seeds[2], p)
@@ -332,7 +341,7 @@ def _layer_forward(spec, key_mask, packed, x, params, ctx=None):
         # raises, as for the reference, when they are changed in place before the backward.
         # Every tensor the backward reads is saved, none kept on ctx: ctx lives as long as the
         # graph (a loss still referenced in the next step's forward), saved tensors only until
-        # the backward. The key mask (one for all layers) and the seeds are a few bytes.
+        # the backward. The key mask (made once for all layers) and the seeds stay on ctx.
         versioned = (w_k, w_v) if packed[0] is not None else ()
         ctx.save_for_backward(x_norm, x_gemm, w_qkv, qkv, context, projected, y, rows, act_saved, h, f,
                               w_o, ln1_w, w_1, b_1, w_2, ln2_w, mean1, rstd1, mean2, rstd2, *versioned, *lses)
