@@ -145,7 +145,7 @@ def _per_sequence_backward(grad, qkv, context, seqlens, num_heads, lses):
 
 def _attention_forward(qkv, key_mask, num_heads, dropout_p, seed, saves=True):
     """(context (B, L, H) or, for packed valid tokens, (N, H); the LSEs the backward reads with
-    it: a list of one tensor, or one per sequence; None where ``saves`` is False (inference:
+    it: a list of one tensor, or one per sequence; [None] where ``saves`` is False (inference:
     the kernels skip the LSE)). The context is all of the attention output the backward needs:
     where a kernel's output has another layout, the backward views the context in it."""
     if isinstance(key_mask, Unpadding):
