@@ -314,6 +314,26 @@ def test_dropout_forward_and_backward_use_one_mask():
 
 
 @needs_kernels
+@pytest.mark.parametrize("one_kernel", [False, True], ids=["two-kernel-bwd", "one-kernel-bwd"])
+def test_dropout_a_hair_below_one_drops_everything_without_nan(one_kernel, monkeypatch):
+    """p = 1 - 1e-8 rounds to 1.0 in fp32, where the kernels compare it: every weight dropped.
+    Their scale 1 / (1 - p) is the host's (1e8), not fp32's inf: 0 * inf made the output and
+    gradients NaN. The reference keeps a weight in 1e8, scaled by 1e8."""
+    monkeypatch.setattr(ATTENTION, "ONE_KERNEL_BACKWARD_MAX_SEQLEN", 64 if one_kernel else 0)
+    p, seed = 1.0 - 1e-8, seed_tensor(3)
+    qkv = random_qkv(2, 9, 2, 16)
+    valid_lens = torch.tensor([4.0, 9.0], device=DEVICE)
+    grad_out = torch.randn(2, 9, 32, device=DEVICE)
+    out, lse = _attention_fwd_triton(qkv, valid_lens, 2, p, seed)
+    dqkv = _attention_bwd_triton(grad_out, qkv, out, lse, valid_lens, 2, p, seed)
+    assert not _attention_dropout_keep_triton(2, 2, 9, p, seed).any()
+    assert torch.count_nonzero(out) == 0, "every weight dropped: zero context"
+    assert torch.count_nonzero(dqkv) == 0, "and zero gradients"
+    twin_out, _ = attention_fwd(qkv.cpu(), valid_lens.cpu(), 2, p, seed.cpu())
+    assert torch.count_nonzero(twin_out) == 0
+
+
+@needs_kernels
 def test_varlen_dropout_matches_padded_dropout():
     # The mask is indexed by (batch, head, query, key) within the padded L: both layouts agree.
     p, seed, seqlen = 0.25, seed_tensor(5), 17

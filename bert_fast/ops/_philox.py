@@ -35,6 +35,14 @@ _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
 _UNIFORM_SCALE = 4.6566127342e-10
 
 
+def keep_scale(dropout_p):
+    """1 / (1 - p), the kept values' scale, from the double p on the host (rounded once to the
+    kernels' fp32; p itself is compared in fp32); p == 1 drops everything (scale 0). In a
+    kernel, 1 / (1 - p) of p in fp32 is inf for every p within 3e-8 of 1 (p rounds to 1.0):
+    0 * inf made the attention output NaN."""
+    return 1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0
+
+
 def dropout_seed(dropout_p, device):
     """The seed tensor for one dropout draw, or None when there is no dropout."""
     if dropout_p <= 0.0:

@@ -42,7 +42,7 @@ from .. import extension
 from ..extension import require_extension
 from ._autograd import (autocasting, below_autograd, deferred_ops, forbid_double_backward, once_differentiable,
                         records_grad, thin_apply, use_registered_op)
-from ._philox import check_seed, dropout_seed, interleaved_keep, row_keep
+from ._philox import check_seed, dropout_seed, interleaved_keep, keep_scale, row_keep
 from ._triton import (as_dtype, cdiv, compute_dtype, cpu_kernel, KERNEL_DTYPES, launch, next_power_of_2,
                       nothing_to_launch, reduction_programs, require_triton, rows, tl, triton, uses_triton)
 from .column_sums import column_sums
@@ -214,10 +214,6 @@ def _layernorm_bwd_blocks(hidden):
     return block_h, rows_per_program, max(4, min(32, block_h * rows_per_program // 512))
 
 
-def _keep_scale(dropout_p):
-    return 1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0
-
-
 def _check_dropout_p(dropout_p):
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
@@ -271,7 +267,7 @@ def _add_layernorm_fwd_triton(x, residual, weight, bias, eps, seed, dropout_p, s
         launch(_add_layernorm_fwd_kernel, out)[(cdiv(n_rows, rows_per_program),)](
             x2, residual2, weight, bias, out, mean, rstd,
             x_stride, residual_stride, n_rows, hidden, eps,
-            dropout_p, _keep_scale(dropout_p), seed,
+            dropout_p, keep_scale(dropout_p), seed,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0,
             BLOCK_H=block_h, ROWS_PER_PROGRAM=rows_per_program, STORE_STATS=stats, num_warps=num_warps)
     return out, mean, rstd
@@ -329,7 +325,7 @@ def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, d
         launch(_add_layernorm_bwd_kernel, d_residual)[(programs,)](
             grad2, x2, residual2, weight, mean, rstd, d_residual, d_x, partials,
             grad_stride, x_stride, residual_stride, n_rows, hidden,
-            dropout_p, _keep_scale(dropout_p), seed,
+            dropout_p, keep_scale(dropout_p), seed,
             HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, HAS_X_BIAS=x_bias, HAS_DROPOUT=has_dropout,
             BLOCK_H=block_h, ROWS_PER_PROGRAM=rows_per_program, num_warps=num_warps)
     if defer_sums:
@@ -347,7 +343,7 @@ def _dropout_keep_scale_cpu(x, seed, dropout_p, dtype):
     kernels' mask over the flattened rows (_philox.row_keep: four columns a Philox call)."""
     hidden = x.shape[-1]
     keep = row_keep(seed, dropout_p, x.numel() // hidden if hidden else 0, hidden, x.device)
-    return keep.view(x.shape).to(dtype) * _keep_scale(dropout_p)
+    return keep.view(x.shape).to(dtype) * keep_scale(dropout_p)
 
 
 def _dropped_sum_cpu(x, residual, seed, dropout_p, acc):

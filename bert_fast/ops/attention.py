@@ -63,7 +63,7 @@ from torch.nn import functional as F
 from ..reference import MASK_VALUE
 from ._autograd import (deferred_ops, forbid_double_backward, once_differentiable, records_grad, thin_apply,
                         use_registered_op)
-from ._philox import check_seed, dropout_seed, interleaved_keep, philox_uniform, philox_words
+from ._philox import check_seed, dropout_seed, interleaved_keep, keep_scale, philox_uniform, philox_words
 from ._triton import (as_dtype, cdiv, compute_dtype, cpu_kernel, interpreting, launch, next_power_of_2,
                       require_triton, tl, triton, uses_triton, values_on_host)
 from .padding import pad, unpad
@@ -249,13 +249,14 @@ def _attention_fwd_kernel(
         stride_out_b, stride_out_l, stride_out_f,
         stride_lse_b, stride_lse_h, stride_lse_l,
         stride_counts_b, stride_counts_l,
-        num_heads, head_dim, max_seqlen, sm_scale, dropout_p, seed_ptr,
+        num_heads, head_dim, max_seqlen, sm_scale, dropout_p, keep_scale, seed_ptr,
         HAS_VALID_LENS: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
         DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One program: BLOCK_M queries of one (batch, head) against all keys, online softmax.
     STORE_LSE: write each query's log-sum-exp (what the backward reads; inference skips it)."""
     sm_scale, dropout_p = tl.cast(sm_scale, tl.float32), tl.cast(dropout_p, tl.float32)
+    keep_scale = tl.cast(keep_scale, tl.float32)
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b = bh // num_heads
@@ -308,7 +309,7 @@ def _attention_fwd_kernel(
 
     acc = acc / l_i[:, None]
     if HAS_DROPOUT:
-        acc = acc * (1.0 / (1.0 - dropout_p))
+        acc = acc * keep_scale
     tl.store(out + queries[:, None] * stride_out_l + offs_d[None, :] * stride_out_f,
              acc.to(out.dtype.element_ty), mask=query_ok[:, None] & d_ok[None, :])
     if STORE_LSE:
@@ -326,7 +327,7 @@ def _attention_bwd_dkdv_kernel(
         stride_dqkv_b, stride_dqkv_l, stride_dqkv_f,
         stride_lse_b, stride_lse_h, stride_lse_l,
         stride_counts_b, stride_counts_l,
-        num_heads, head_dim, max_seqlen, sm_scale, dropout_p, seed_ptr,
+        num_heads, head_dim, max_seqlen, sm_scale, dropout_p, keep_scale, seed_ptr,
         HAS_VALID_LENS: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
         DOT_PRECISION: tl.constexpr, WITH_DQ: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -343,6 +344,7 @@ def _attention_bwd_dkdv_kernel(
     dropout mask in the dQ kernel and passes delta through memory.
     """
     sm_scale, dropout_p = tl.cast(sm_scale, tl.float32), tl.cast(dropout_p, tl.float32)
+    keep_scale = tl.cast(keep_scale, tl.float32)
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
     b = bh // num_heads
@@ -402,7 +404,6 @@ def _attention_bwd_dkdv_kernel(
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
             keep_t = tl.trans(_dropout_keep(seed_ptr, bh, queries, start_n, max_seqlen, dropout_p, BLOCK_M, BLOCK_N))
-            keep_scale = 1.0 / (1.0 - dropout_p)
             z_t = tl.where(keep_t, p_t * keep_scale, 0.0)
             dp_t = tl.where(keep_t, dp_t * keep_scale, 0.0)
         else:
@@ -433,7 +434,7 @@ def _attention_bwd_dq_kernel(
         stride_dqkv_b, stride_dqkv_l, stride_dqkv_f,
         stride_lse_b, stride_lse_h, stride_lse_l,
         stride_counts_b, stride_counts_l,
-        num_heads, head_dim, max_seqlen, sm_scale, dropout_p, seed_ptr,
+        num_heads, head_dim, max_seqlen, sm_scale, dropout_p, keep_scale, seed_ptr,
         HAS_VALID_LENS: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -445,6 +446,7 @@ def _attention_bwd_dq_kernel(
     dS multiplies a zero K row.
     """
     sm_scale, dropout_p = tl.cast(sm_scale, tl.float32), tl.cast(dropout_p, tl.float32)
+    keep_scale = tl.cast(keep_scale, tl.float32)
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b = bh // num_heads
@@ -500,7 +502,7 @@ def _attention_bwd_dq_kernel(
         p = tl.exp2(s - lse_hi[:, None] - lse_lo[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
-            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+            dp = tl.where(keep, dp * keep_scale, 0.0)
         ds = p * (dp - delta_rows[:, None])
         if HAS_VALID_LENS:
             ds = tl.where(visible, ds, 0.0)
@@ -697,7 +699,7 @@ def _launch_fwd(qkv, out, lse, counts, cu_seqlens, batch, num_heads, head_dim, m
         qkv, out, lse, counts, cu_seqlens,
         *_strides(qkv), *_strides(out), *(_strides(lse) if lse is not None else (0, 0, 0)),
         *(counts.stride() if counts is not None else (0, 0)),
-        num_heads, head_dim, max_seqlen, 1.0 / math.sqrt(head_dim), dropout_p, seed,
+        num_heads, head_dim, max_seqlen, 1.0 / math.sqrt(head_dim), dropout_p, keep_scale(dropout_p), seed,
         HAS_VALID_LENS=counts is not None, IS_VARLEN=cu_seqlens is not None,
         HAS_DROPOUT=dropout_p > 0.0, DOT_PRECISION=precision, STORE_LSE=lse is not None,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=block_d,
@@ -735,7 +737,7 @@ def _launch_bwd(grad_out, qkv, out, lse, dqkv, counts, cu_seqlens, batch, num_he
     qkv, out, grad_out = (_row_addressable(t, max_seqlen) for t in (qkv, out, grad_out))
     lse = lse.contiguous()    # delta takes its layout, and the kernels read both with lse's strides
     counts_strides = counts.stride() if counts is not None else (0, 0)
-    scalars = (num_heads, head_dim, max_seqlen, 1.0 / math.sqrt(head_dim), dropout_p, seed)
+    scalars = (num_heads, head_dim, max_seqlen, 1.0 / math.sqrt(head_dim), dropout_p, keep_scale(dropout_p), seed)
     flags = dict(HAS_VALID_LENS=counts is not None, IS_VARLEN=cu_seqlens is not None,
                  HAS_DROPOUT=dropout_p > 0.0, DOT_PRECISION=precision, BLOCK_D=block_d)
     one_kernel = _one_kernel_tiles(max_seqlen, block_d) if ONE_KERNEL_BACKWARD_MAX_SEQLEN else None
@@ -880,7 +882,7 @@ def _attention_weights_cpu(q, k, valid_lens, dropout_p, seed):
     dropout_scale = None
     if dropout_p > 0.0:
         keep = _attention_dropout_keep_cpu(*probs.shape[:3], dropout_p, seed)
-        dropout_scale = keep.to(probs.dtype) / (1.0 - dropout_p)
+        dropout_scale = keep.to(probs.dtype) * keep_scale(dropout_p)
     return scores, probs, visible, dropout_scale
 
 
