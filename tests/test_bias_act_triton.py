@@ -8,7 +8,7 @@ from torch.nn import functional as F
 from bert_fast.ops.bias_act import (ACTIVATIONS, _bias_act_bwd_cpu, _bias_act_bwd_triton, _bias_act_fwd_triton,
                                     bias_act_bwd, bias_act_fwd, linear_act)
 from tests.helpers import (assert_close, assert_within_rule, BF16_OK, DEVICE,
-                           max_err, needs_cuda, needs_kernels)
+                           max_err, needs_cuda, needs_kernels, peak_bytes)
 
 # The interpreter evaluates sigmoid's exp with numpy, which warns when it overflows to inf
 # (the result, 0 or 1, is right).
@@ -61,6 +61,23 @@ def test_kernels_match_torch(shape, with_bias, activation, dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_cpu_kernel_allocates_one_output_with_a_bias(activation):
+    """The CPU kernel applies the activation to its fresh h + bias in place: the sum and an
+    output of its own were two (rows, N) tensors at once (the inference peak at the FFN)."""
+    from bert_fast.ops.bias_act import bias_act
+    h, bias = torch.randn(16, 24), torch.randn(24)
+    with torch.no_grad():
+        out = bias_act(h, bias, activation)
+        assert peak_bytes(lambda: bias_act(h, bias, activation)) == out.untyped_storage().nbytes()
+    want = torch.relu(h + bias) if activation == "relu" else F.gelu(
+        h + bias, approximate="tanh" if activation == "gelu_tanh" else "none")
+    assert torch.equal(out, want)
+    before = h.clone()
+    bias_act(h, None, activation)
+    assert torch.equal(h, before), "without a bias, the activation is not applied to h in place"
+
+
 def test_strided_inputs_give_the_contiguous_result():
     """A row-strided view is read in place; a transposed grad (last-dim stride != 1) is copied."""
     h = torch.randn(9, 200, device=DEVICE)[:, :96]

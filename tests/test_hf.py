@@ -25,7 +25,7 @@ from bert_fast.cuda_graph import CudaGraphFallbackWarning, cuda_graph_stats  # n
 from bert_fast.ops._triton import kernels_on_cpu  # noqa: E402
 from bert_fast.ops.embedding_layernorm import embedding_layernorm  # noqa: E402
 from tests import minilm  # noqa: E402
-from tests.helpers import StubSteps, assert_close, max_err, needs_kernels  # noqa: E402
+from tests.helpers import StubSteps, assert_close, max_err, needs_kernels, peak_bytes  # noqa: E402
 
 # A call that silently took HF's forward would compare HF with itself: fail on any fallback
 # warning, except where a test records them on purpose.
@@ -1194,3 +1194,19 @@ def test_a_deepcopy_of_an_optimized_model_reads_the_packed_qkv_in_place(backend,
     assert len(seen) == len(layers)
     for layer, (weight, _) in zip(layers, seen):
         assert weight is not None and weight.data_ptr() == layer.attention.self.query.weight.data_ptr()
+
+
+@pytest.mark.parametrize("act", ["gelu", "relu"])
+@pytest.mark.parametrize("backend", ["torch", *FUSED_BACKENDS])
+def test_inference_peak_memory_is_at_most_hfs(backend, act):
+    """Without autograd each intermediate is freed once read (a layer's local that held the QKV
+    projection to its end raised the peak past HF's own)."""
+    ref, fast = hf_pair(config(act=act), attn="sdpa", backend=backend)
+    ids, segments = inputs(4, 20)
+    mask = make_mask("prefix", 4, 20)
+    peaks = []
+    with torch.no_grad():
+        for model in (ref, fast):
+            peaks.append(peak_bytes(lambda: model(input_ids=ids, token_type_ids=segments,
+                                                  attention_mask=mask).last_hidden_state))
+    assert 0 < peaks[1] <= peaks[0], f"peak: HF {peaks[0]} B, optimized {peaks[1]} B"

@@ -248,10 +248,11 @@ def _bias_act_fwd_cpu(h, bias, activation):
     z = as_dtype(h, compute_dtype(h.dtype))
     if bias is not None:
         z = z + as_dtype(bias, z.dtype)
-    if activation == "relu":
-        out = torch.relu(z)
-    else:
-        out = F.gelu(z, approximate="tanh" if activation == "gelu_tanh" else "none")
+    approximate = "tanh" if activation == "gelu_tanh" else "none"
+    if z is h:          # h is the caller's
+        out = torch.relu(z) if activation == "relu" else F.gelu(z, approximate=approximate)
+    else:               # on the fresh sum in place: one (rows, N) tensor less at the peak
+        out = torch.relu_(z) if activation == "relu" else torch._C._nn.gelu_(z, approximate=approximate)
     return as_dtype(out, h.dtype)
 
 
