@@ -62,14 +62,22 @@ def test_kernels_match_torch(shape, with_bias, activation, dtype):
 
 @needs_kernels
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_cpu_kernel_allocates_one_output_with_a_bias(activation):
-    """The CPU kernel applies the activation to its fresh h + bias in place: the sum and an
-    output of its own were two (rows, N) tensors at once (the inference peak at the FFN)."""
+def test_cpu_kernels_allocate_one_output_with_a_bias(activation):
+    """The CPU forward applies the activation to its fresh h + bias in place (the sum and an
+    output of its own were two (rows, N) tensors at once: the inference peak at the FFN); the
+    backward writes GELU's derivative over its own h + bias (its formulas in tensor ops held
+    four such tensors: the training peak of a GELU model)."""
     from bert_fast.ops.bias_act import bias_act
     h, bias = torch.randn(16, 24), torch.randn(24)
     with torch.no_grad():
         out = bias_act(h, bias, activation)
         assert peak_bytes(lambda: bias_act(h, bias, activation)) == out.untyped_storage().nbytes()
+        saved = out if activation == "relu" else h
+        grad = torch.randn_like(h)
+        d_h, d_bias = _bias_act_bwd_cpu(grad, saved, bias, activation)
+        mask = h.numel() + 8 if activation == "relu" else 0       # ReLU's: saved <= 0 (bool), a 0-d 0.0
+        assert peak_bytes(lambda: _bias_act_bwd_cpu(grad, saved, bias, activation)) <= h.nbytes + 2 * bias.nbytes + mask
+    assert_close(d_h, bias_act_bwd(grad, saved, bias, activation)[0], atol=1e-6)
     want = torch.relu(h + bias) if activation == "relu" else F.gelu(
         h + bias, approximate="tanh" if activation == "gelu_tanh" else "none")
     assert torch.equal(out, want)

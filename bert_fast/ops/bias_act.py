@@ -256,13 +256,8 @@ def _bias_act_fwd_cpu(h, bias, activation):
     return as_dtype(out, h.dtype)
 
 
-def _gelu_grad_cpu(z, activation):
-    """The kernel's GELU' formulas, in PyTorch."""
-    if activation == "gelu":
-        return 0.5 * (1.0 + torch.erf(z * 0.5**0.5)) + z * torch.exp(-0.5 * z * z) * (2 * torch.pi) ** -0.5
-    twice_u = 2 * (2 / torch.pi) ** 0.5 * (z + 0.044715 * z**3)
-    gate = torch.sigmoid(twice_u)
-    return gate + z * gate * torch.sigmoid(-twice_u) * 2 * (2 / torch.pi) ** 0.5 * (1.0 + 3 * 0.044715 * z * z)
+_gelu_backward = torch.ops.aten.gelu_backward.default
+_gelu_backward_into = torch.ops.aten.gelu_backward.grad_input
 
 
 def _bias_act_bwd_cpu(grad_out, saved, bias, activation):
@@ -275,7 +270,14 @@ def _bias_act_bwd_cpu(grad_out, saved, bias, activation):
         z = as_dtype(saved, acc)
         if bias is not None:
             z = z + as_dtype(bias, acc)
-        d_z = dy * _gelu_grad_cpu(z, activation)
+        # PyTorch's GELU derivative in one op (the kernel's formulas written with tensor ops held
+        # four (rows, N) temporaries at once: the training peak of a GELU model on the CPU),
+        # into z where z is this function's own (an elementwise op may write over its input).
+        approximate = "tanh" if activation == "gelu_tanh" else "none"
+        if z is saved:
+            d_z = _gelu_backward(dy, z, approximate=approximate)
+        else:
+            d_z = _gelu_backward_into(dy, z, approximate=approximate, grad_input=z)
     d_bias = (as_dtype(d_z.reshape(-1, saved.shape[-1]).sum(0), saved.dtype) if bias is not None
               else saved.new_empty(0))
     return as_dtype(d_z, saved.dtype), d_bias
