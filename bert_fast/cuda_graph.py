@@ -27,10 +27,12 @@ When it replays (``graphed_forward``): CUDA inputs, the encoder and every submod
 mode, and autograd not recording, i.e. ``torch.is_grad_enabled()`` is False (``no_grad``,
 ``inference_mode``) or no parameter requires grad (gradients cannot flow through a replay).
 Otherwise the call runs the eager forward, with one CudaGraphFallbackWarning per encoder and
-reason ("device", "training", "autograd", "parameters": tensor subclasses such as FSDP's
-DTensors, "capture": a capture that failed, after which its bucket stays eager). While
-torch.compile or torch.jit traces, and inside someone else's capture, the eager forward runs
-silently (the caller records it).
+reason ("device", "training", "autograd", "hooks": grad mode on and forward hooks on
+submodules, present at capture or global, which a replay would not run (one may add a tensor
+that requires grad), "parameters": tensor subclasses such as FSDP's DTensors, "capture": a
+capture that failed, after which its bucket stays eager). While torch.compile or torch.jit
+traces, under a dispatch mode (FakeTensorMode, a FLOP counter), and inside someone else's
+capture, the eager forward runs silently (the caller records it).
 
 Buckets. B and L are rounded up (``bucket_batch``, ``bucket_seqlen``): L to a multiple of 16
 up to 128, then 4 buckets per octave (160, 192, 224, 256, 320, 384, 448, 512, 640, ...), never
@@ -689,6 +691,9 @@ class _ModuleSnapshot:
         self.storages = [t.untyped_storage() for _, _, t in held]
         self.params = tuple(encoder.parameters())
         self.submodules = tuple(child for _, _, child in self.children)
+        # Hooks on submodules, which a replay does not run: under grad mode one may feed the
+        # forward a tensor that requires grad (prompt tuning), which only an eager call records.
+        self.hooked = any(m._forward_hooks or m._forward_pre_hooks for m in self.submodules)
 
     def check(self):
         """None if unchanged, "training" if a submodule is in training mode, else "changed"."""
@@ -886,6 +891,9 @@ _FALLBACK_MESSAGES = {
     "autograd": ("autograd is recording (grad mode is on and parameters require grad) and a replay "
                  "cannot give gradients; call it under torch.inference_mode() or torch.no_grad(), or "
                  "freeze the parameters, to replay graphs"),
+    "hooks": ("grad mode is on and a submodule has forward hooks, which a replay does not run (one may feed "
+              "in a tensor that requires grad); call it under torch.inference_mode() or torch.no_grad() to "
+              "replay graphs"),
     "parameters": "its parameters or buffers include a tensor subclass ({detail}), whose memory a graph cannot follow",
     "capture": ("capturing the CUDA graph of bucket {detail} failed ({error}); that bucket runs eagerly "
                 "from now on (bert_fast.cuda_graph.clear_cuda_graphs(encoder) to try again)"),
@@ -930,19 +938,38 @@ def _is_ids(t):
         and t.dtype != torch.bool
 
 
+def _global_module_hooks():
+    """Whether forward hooks are registered for every module (nn.modules.module's globals)."""
+    module_api = torch.nn.modules.module
+    return bool(module_api._global_forward_hooks or module_api._global_forward_pre_hooks)
+
+
+def _matmul_precision():
+    """The fp32 matmul precision: the legacy getter's, or where it raises (torch 2.11 and 2.13,
+    once the new API set a backend's precision: "mix of the legacy and new APIs") the new API's
+    switches (``torch.backends.fp32_precision``, ``torch.backends.cuda.matmul.fp32_precision``)."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        return torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision
+
+
 def _global_settings():
-    """The global switches the kernels read while launching (matmul precision, SDPA backends):
-    part of every key."""
+    """The global switches the kernels read while launching (matmul precision and reductions,
+    SDPA backends): part of every key."""
     cuda = torch.backends.cuda
-    return (torch.get_float32_matmul_precision(), cuda.matmul.allow_fp16_reduced_precision_reduction,
-            cuda.matmul.allow_bf16_reduced_precision_reduction, cuda.flash_sdp_enabled(),
+    return (_matmul_precision(), cuda.matmul.allow_fp16_reduced_precision_reduction,
+            cuda.matmul.allow_bf16_reduced_precision_reduction,
+            getattr(cuda.matmul, "allow_fp16_accumulation", None), cuda.flash_sdp_enabled(),
             cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled(), cuda.cudnn_sdp_enabled())
 
 
 def _autocast_settings(device):
     """Autocast for the inputs' device, which the forward follows (a graph replays the casts it
-    captured): part of every key."""
-    return torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+    captured), and whether it is on for any device (the fused ops' autocast branches read
+    that): part of every key."""
+    return (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type),
+            torch._C._is_any_autocast_enabled())
 
 
 def _lengths_dtype(valid_lens):
@@ -1203,7 +1230,10 @@ def graphed(calls, inputs):
     the read of the id ranges. A replay they find wrong is not returned: a changed tree (its
     replaced tensors are kept alive by the snapshot until the replay has run) makes the call
     again, checking first; bad ids (staged clamped) raise."""
-    if torch.compiler.is_compiling() or torch.jit.is_tracing() or not calls.understood(inputs):
+    if (torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._len_torch_dispatch_stack()
+            or not calls.understood(inputs)):
+        # (Under a dispatch mode (FakeTensorMode, a FLOP counter) the mode must see the ops; a
+        # replay would also cache its fake tensors as the static buffers.)
         return calls.eager(inputs)
     if not calls.graphable(inputs):
         return calls.eager(inputs)      # it raises what is wrong (e.g. inputs on another device)
@@ -1242,8 +1272,11 @@ def _graphed(calls, state, inputs):
         state.check_first = problem is not None
         if problem == "training":
             return _eager(calls, state, "training", inputs)
-    if torch.is_grad_enabled() and any(p.requires_grad for p in snapshot.params):
-        return _eager(calls, state, "autograd", inputs)
+    if torch.is_grad_enabled():
+        if any(p.requires_grad for p in snapshot.params):
+            return _eager(calls, state, "autograd", inputs)
+        if snapshot.hooked or _global_module_hooks():
+            return _eager(calls, state, "hooks", inputs)
 
     calls.validate(inputs)
     segments_dtype = (ids if segments is None else segments).dtype
@@ -1311,8 +1344,9 @@ def clear_cuda_graphs(module):
     for submodule in module.modules():
         state = _states.pop(submodule, None)
         if state is not None:
-            dropped += len(state.graphs)
-            state.drop_graphs()
+            with state.lock:        # not while another thread's call uses them
+                dropped += len(state.graphs)
+                state.drop_graphs()
     return dropped
 
 

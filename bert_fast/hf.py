@@ -757,7 +757,9 @@ def _register_output_capture(model):
 
 def restore(model):
     """Undo optimize() on every FastBertModel in ``model`` (the HF classes back; same objects;
-    CUDA graphs dropped)."""
+    CUDA graphs dropped; query/key/value's weights and biases each in memory of its own again,
+    as HF made them: savers that take views of one buffer for tied weights, such as
+    accelerate's safetensors ``save_model``/``save_state``, then save every key)."""
     clear_cuda_graphs(model)
     for module in model.modules():
         if type(module) is FastBertModel:
@@ -766,5 +768,12 @@ def restore(model):
         elif type(module) is FastBertEmbeddings:
             module.__class__ = BertEmbeddings
         elif type(module) is FastBertLayer:
+            _drop_packing(module)
+            attn = module.attention.self
+            with torch.no_grad():
+                for linear in (attn.query, attn.key, attn.value):
+                    for name, param in linear.named_parameters(recurse=False):
+                        if param._base is not None or param.untyped_storage().nbytes() != param.nbytes:
+                            param.data = param.data.clone()
             module.__class__ = BertLayer
     return model

@@ -1006,6 +1006,78 @@ def test_autograd_runs_eagerly_with_one_warning(stub):
     assert_eager_result(out, eager_forward(encoder, tokens, segments))
 
 
+@pytest.mark.parametrize("where", ["submodule", "global"])
+def test_hooks_under_grad_mode_run_eagerly(stub, where):
+    """Prompt tuning: a frozen encoder, a hook that adds a trainable tensor of the caller's. A
+    replay runs no hook: grad mode on, the eager forward gives that tensor its gradient."""
+    encoder = auto_encoder()
+    for parameter in encoder.parameters():
+        parameter.requires_grad_(False)
+    prompt = torch.zeros(encoder.blks[0].ffn.dense1.in_features, requires_grad=True)
+
+    def add_prompt(module, args, output):
+        return output + prompt if module is encoder.token_embedding else None
+    register = (encoder.token_embedding.register_forward_hook if where == "submodule"
+                else torch.nn.modules.module.register_module_forward_hook)
+    handle = register(add_prompt)
+    tokens, segments = random_inputs(B, L, VOCAB)
+    try:
+        with pytest.warns(CudaGraphFallbackWarning, match=r"forward hooks") as record:
+            out = encoder(tokens, segments)
+            encoder(tokens, segments)
+        assert len(fallback_warnings(record)) == 1
+        out.sum().backward()
+        assert prompt.grad is not None and torch.count_nonzero(prompt.grad) > 0
+        assert stub.attempts == 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            graphed(encoder, tokens, segments)       # without grad mode the graphs serve
+        assert stub.attempts == 1
+    finally:
+        handle.remove()
+
+
+def test_dispatch_modes_see_the_eager_forward(stub):
+    """FakeTensorMode (shape inference) or a FLOP counter: the mode must see the ops, and a
+    replay would keep its fake tensors as the graphs' static buffers."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+    encoder = auto_encoder(check_inputs=False)       # (the checks read values: no fake tensor has them)
+    tokens, segments = random_inputs(B, L, VOCAB)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = graphed(encoder, mode.from_tensor(tokens), mode.from_tensor(segments))
+    assert fake.shape == (B, L, encoder.blks[0].ffn.dense1.in_features)
+    with FlopCounterMode(display=False) as counter:
+        graphed(encoder, tokens, segments)
+    assert counter.get_total_flops() > 0
+    assert stub.attempts == 0
+    assert_eager_result(graphed(encoder, tokens, segments), eager_forward(encoder, tokens, segments))
+    assert stub.attempts == 1
+
+
+def test_new_matmul_precision_api_and_any_autocast_are_in_the_key(stub):
+    """torch.backends.cuda.matmul.fp32_precision (the legacy getter raises once it is used, on
+    torch 2.13), fp16 accumulation and autocast for another device type are read by the
+    forward: each change captures again."""
+    encoder = auto_encoder()
+    tokens, segments = random_inputs(B, L, VOCAB)
+    graphed(encoder, tokens, segments)
+    assert stub.attempts == 1
+    matmul = torch.backends.cuda.matmul
+    for name, value in (("fp32_precision", "tf32"), ("allow_fp16_accumulation", True)):
+        before, attempts = getattr(matmul, name), stub.attempts   # (cuBLASModule: no monkeypatch)
+        setattr(matmul, name, value)
+        try:
+            graphed(encoder, tokens, segments)
+        finally:
+            setattr(matmul, name, before)
+        assert stub.attempts == attempts + 1, name
+    attempts = stub.attempts
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        graphed(encoder, tokens, segments)
+    assert stub.attempts == attempts + 1
+
+
 def test_cpu_inputs_run_eagerly_with_one_warning():
     """No stub: the real steps have no graphs for CPU tensors."""
     encoder = auto_encoder()

@@ -341,8 +341,16 @@ def test_holder_module_and_restore_and_save(tmp_path):
     holder.auto_model.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["BertModel"]
     assert type(holder.auto_model) is hf.FastBertModel
+    state = {name: t.clone() for name, t in holder.state_dict().items()}
+    params = list(holder.parameters())
     hf.restore(holder)
     assert type(holder.auto_model) is BertModel and type(holder.auto_model.encoder.layer[0]).__name__ == "BertLayer"
+    # Each Parameter (the same objects, the same values) in memory of its own again, as HF made
+    # it: accelerate's safetensors save_model drops all but one tensor of a shared storage.
+    assert list(holder.parameters()) == params
+    assert len({p.untyped_storage().data_ptr() for p in params}) == len(params)
+    assert all(p.untyped_storage().nbytes() == p.nbytes for p in params)
+    assert all(torch.equal(t, state[name]) for name, t in holder.state_dict().items())
 
 
 def test_optimize_again_applies_its_options(monkeypatch):
