@@ -532,6 +532,17 @@ class FastBertModel(BertModel):
                           f"{reason} (the fused path does not support it); results are HF's", HFFallbackWarning,
                           stacklevel=3)
 
+    def _warn_hooked_layers(self, layout):
+        """Once per model: hooks on the layers (which run on the fast path) see its layout, not
+        HF's (B, L) positions, for a call whose mask is not a prefix or with skip_padding."""
+        hooked = next((i for i, layer in enumerate(self.encoder.layer) if _has_user_hooks(layer)), None)
+        warned = self.__dict__.setdefault("_bert_fast_warned", set())
+        if hooked is not None and "layout" not in warned:
+            warned.add("layout")
+            warnings.warn(f"bert_fast: a hook on encoder.layer[{hooked}] sees the fast path's layout for this call "
+                          f"({layout}), not HF's positions; pass a right-padded (prefix) attention_mask without "
+                          f"skip_padding, or bert_fast.hf.restore(model), for HF's layout", UserWarning, stacklevel=4)
+
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, *args, **kwargs):
         reason = self._fallback_reason(args, kwargs, attention_mask)
         if reason is None and input_ids is None:
@@ -592,6 +603,8 @@ class FastBertModel(BertModel):
             X = ops.unpad(X, unpadding)
         else:
             mask = FusedAttentionMask(ops.prepare_key_mask(valid_lens, seqlen, backend, X.dtype))
+        if (order is not None or unpadding is not None) and not torch.compiler.is_compiling():
+            self._warn_hooked_layers("attended tokens first" if unpadding is None else "skip_padding's packed tokens")
 
         def restore_layout(states):
             if unpadding is not None:

@@ -1218,3 +1218,26 @@ def test_inference_peak_memory_is_at_most_hfs(backend, act):
             peaks.append(peak_bytes(lambda: model(input_ids=ids, token_type_ids=segments,
                                                   attention_mask=mask).last_hidden_state))
     assert 0 < peaks[1] <= peaks[0], f"peak: HF {peaks[0]} B, optimized {peaks[1]} B"
+
+
+def test_a_hook_on_a_layer_is_told_when_it_sees_the_fast_layout():
+    """Hooks on the layers run on the fast path: for a mask that is not a prefix (attended
+    tokens gathered first) or with skip_padding (packed tokens) they see that layout, which
+    one warning says (the output is HF's either way)."""
+    ref, fast = hf_pair(config(), attn="sdpa")
+    seen = []
+    fast.encoder.layer[1].register_forward_hook(lambda module, args, output: seen.append(args[0].shape))
+    ids, types = inputs(3, 9)
+    prefix = (torch.arange(9)[None, :] < torch.tensor([[9], [4], [6]])).long()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fast(ids, attention_mask=prefix, token_type_ids=types)       # HF's layout: no warning
+    holes = prefix.flip(1)                                           # left padding
+    with pytest.warns(UserWarning, match=r"hook on encoder.layer\[1\] sees the fast path's layout"):
+        out = fast(ids, attention_mask=holes, token_type_ids=types).last_hidden_state
+    assert_close(out, ref(ids, attention_mask=holes, token_type_ids=types).last_hidden_state, atol=ATOL)
+    bert_fast.optimize(fast, skip_padding=True)
+    fast.__dict__.pop("_bert_fast_warned", None)
+    with pytest.warns(UserWarning, match=r"skip_padding's packed tokens"):
+        fast(ids, attention_mask=prefix, token_type_ids=types)
+    assert seen[-1] == (int(prefix.sum()), 36)
