@@ -186,6 +186,8 @@ def check_supported(model, swapped=False):
     classes may be subclasses of ours (FSDP2's fully_shard makes them)."""
     _require(swapped or type(model) in (BertModel, FastBertModel), f"class {type(model).__name__} (a subclass may "
              "have its own forward; only transformers' BertModel itself is swapped)")
+    _require("forward" not in model.__dict__, "a forward set on the instance (accelerate's cpu_offload and "
+             "dispatch_model set one), which would run instead of the fast one")
     config = model.config
     _require(not getattr(config, "is_decoder", False), "config.is_decoder (causal self-attention)")
     _require(not getattr(config, "add_cross_attention", False), "config.add_cross_attention")

@@ -278,6 +278,17 @@ def test_unsupported_models_are_left_untouched(change, why):
     assert type(model) is BertModel and type(model.encoder.layer[0]).__name__ == "BertLayer"
 
 
+def test_a_forward_set_on_the_instance_is_left_untouched():
+    """accelerate's cpu_offload / dispatch_model set the model's forward on the instance, which
+    runs instead of the class's: optimize() would swap in a forward that never runs."""
+    model = BertModel(config())
+    plain_forward = model.forward
+    model.forward = lambda *args, **kwargs: plain_forward(*args, **kwargs)
+    with pytest.warns(UserWarning, match="left untouched: unsupported .*forward set on the instance"):
+        bert_fast.optimize(model)
+    assert type(model) is BertModel
+
+
 def test_a_dropout_of_one_is_left_untouched():
     """HF runs attention_probs_dropout_prob = 1 (every weight dropped); the kernels take [0, 1)."""
     model = BertModel(config(dropout=1.0)).train()
