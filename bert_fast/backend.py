@@ -20,11 +20,19 @@ so, never a silent fallback.
 import contextlib
 import os
 
+from torch.nn.modules import module as _nn_module
+
 from . import extension
 from .ops._autograd import compile_time_constant
 from .ops._triton import HAS_TRITON
 
 BACKENDS = ("auto", "torch", "triton", "cuda")
+# nn.Module's registries of global hooks (register_module_forward_hook & co.), read as
+# nn.Module.__call__ reads them; getattr: not every PyTorch has every one. A fast path that
+# computes modules instead of calling them (modules.py, hf.py), or a CUDA graph's replay,
+# does not run them.
+_GLOBAL_HOOKS = tuple(getattr(_nn_module, name, {}) for name in (
+    "_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks", "_global_backward_hooks"))
 # Whether "auto" runs CUDA inputs on our kernels (False: the torch path).
 AUTO_USES_TRITON_ON_CUDA = True
 # Whether it prefers the extension's kernels for the ops it has, where it is built for the GPU.

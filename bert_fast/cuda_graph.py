@@ -219,7 +219,7 @@ import weakref
 import torch
 from torch import nn
 
-from .backend import capturing_graph, graph_backend_for
+from .backend import _GLOBAL_HOOKS, capturing_graph, graph_backend_for
 from .checks import check_encoder_shapes, raise_for_values
 from .ops import graph_inputs
 from .reference import BERTModel
@@ -938,12 +938,6 @@ def _is_ids(t):
         and t.dtype != torch.bool
 
 
-def _global_module_hooks():
-    """Whether forward hooks are registered for every module (nn.modules.module's globals)."""
-    module_api = torch.nn.modules.module
-    return bool(module_api._global_forward_hooks or module_api._global_forward_pre_hooks)
-
-
 def _matmul_precision():
     """The fp32 matmul precision: the legacy getter's, or where it raises (torch 2.11 and 2.13,
     once the new API set a backend's precision: "mix of the legacy and new APIs") the new API's
@@ -1275,7 +1269,7 @@ def _graphed(calls, state, inputs):
     if torch.is_grad_enabled():
         if any(p.requires_grad for p in snapshot.params):
             return _eager(calls, state, "autograd", inputs)
-        if snapshot.hooked or _global_module_hooks():
+        if snapshot.hooked or _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1]:     # (forward pre- and forward hooks)
             return _eager(calls, state, "hooks", inputs)
 
     calls.validate(inputs)

@@ -75,11 +75,11 @@ from transformers.models.bert.modeling_bert import BertAttention, BertEmbeddings
     BertModel, BertOutput, BertSelfOutput
 
 from . import ops
-from .backend import backend_of, graph_backend_for, resolve_backend
+from .backend import _GLOBAL_HOOKS, backend_of, graph_backend_for, resolve_backend
 from .cuda_graph import _Bucket, _Calls, _is_ids, _sliced, bucket_batch, bucket_seqlen, bucket_tokens, \
     clear_cuda_graphs, graphed
 from .ops._triton import values_on_host
-from .modules import _ACTIVATION_FUNCTIONS, _GLOBAL_HOOKS, _hook_dicts, _linear, _pack_back_to_back_, \
+from .modules import _ACTIVATION_FUNCTIONS, _hook_dicts, _linear, _pack_back_to_back_, \
     _dropout_rate, _drop_packing, _parameters_read, _QKVPacking, _table_read, fused_layer, packed_qkv
 from .ops.embedding_layernorm import embedding_layernorm
 

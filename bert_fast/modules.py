@@ -12,10 +12,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.nn.modules import module as _nn_module
 
 from . import ops
-from .backend import backend_of, resolve_backend
+from .backend import _GLOBAL_HOOKS, backend_of, resolve_backend
 from .checks import (check_dropout, check_encoder_inputs, check_encoder_shapes, check_flag, check_size,
                      check_valid_lens)
 from .cuda_graph import DEFAULT_MAX_GRAPHS, clear_cuda_graphs, graphed_forward
@@ -23,12 +22,6 @@ from .extension import require_extension
 from .ops._autograd import autocasting
 from .ops.add_layernorm import MAX_HIDDEN
 from .reference import AddNorm, BERTModel, MaskLM, NextSentencePred
-
-
-# nn.Module's registries of global hooks (register_module_forward_hook & co.), read as
-# nn.Module.__call__ reads them; getattr: not every PyTorch has every one.
-_GLOBAL_HOOKS = tuple(getattr(_nn_module, name, {}) for name in (
-    "_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks", "_global_backward_hooks"))
 
 
 # The forwards below read submodules and Parameters from the dicts nn.Module keeps them in
