@@ -21,8 +21,21 @@ cd "$copy"
 
 python3 -m venv .venv
 PY=$copy/.venv/bin/python
-# shellcheck disable=SC2086
-"$PY" -m pip install -q "torch==$torch_version" "triton==$triton_version" ${PAIR_EXTRA_REQUIREMENTS:-}
+# The pair's wheels (a CUDA build of torch with its CUDA packages) take ~5 GB here and as much in
+# pip's cache: say how much room there is, and keep pip's notes on this machine's missing local
+# index folders (one per package) out of the log, so that an error stays readable. A failed
+# install (a full disk, a dropped download) is retried once without pip's cache.
+log "free space: $(df -h --output=avail "$copy" | tail -n 1 | tr -d ' ') in $copy, $(df -h --output=avail "$HOME" | tail -n 1 | tr -d ' ') in $HOME"
+install_pair() {
+    # shellcheck disable=SC2086
+    "$PY" -m pip install -q "$@" "torch==$torch_version" "triton==$triton_version" ${PAIR_EXTRA_REQUIREMENTS:-} \
+        2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
+if ! install_pair; then
+    log "the install failed; free space now: $(df -h --output=avail "$copy" | tail -n 1 | tr -d ' '); retrying without pip's cache"
+    "$PY" -m pip cache purge >/dev/null 2>&1 || true
+    install_pair --no-cache-dir
+fi
 
 # torch finds the CUDA toolkit through nvcc on PATH, whose parent may not be the toolkit's root
 # (here /usr/local/bin/nvcc, a link into /usr/local/cuda): name the root when torch would miss it.
