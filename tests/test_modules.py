@@ -217,6 +217,57 @@ def test_dropout_is_active_in_training_and_repeatable_by_seed():
     assert_close(fast(tokens, segments, valid_lens), ref(tokens, segments, valid_lens), atol=1e-4)
 
 
+@pytest.mark.parametrize("skip_padding", [False, True], ids=["exact", "skip_padding"])
+@pytest.mark.parametrize("backend", available_backends())
+def test_activation_checkpointing_and_saved_tensor_hooks_give_the_same_gradients(backend, skip_padding):
+    """What fine-tuning scripts wrap around an encoder to save memory: torch.utils.checkpoint
+    of the whole encoder (non-reentrant) or of each block (reentrant, the older default), and
+    saved-tensor hooks (save_on_cpu offloading). The recomputed forward must draw the same
+    dropout masks (the seeds come from the device's generator, whose state checkpoint restores)
+    and every saved tensor must go through the hooks: gradients bit-identical to a plain step."""
+    from torch.utils.checkpoint import checkpoint
+    fast = FastBERTEncoder(**encoder_config(dropout=0.3), backend=backend, skip_padding=skip_padding).train()
+    tokens, segments = random_inputs(B, L, 50)
+    valid_lens = torch.tensor([4.0, 13.0, 0.0])
+    params = [p for name, p in fast.named_parameters() if name != "pos_embedding"]  # no gradient: the quirk
+
+    def step(forward):
+        fast.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        out = forward()
+        out.square().sum().backward()   # not autograd.grad: the reentrant checkpoint refuses it
+        return [out.detach()] + [p.grad for p in params]
+
+    def blocks_checkpointed():
+        X = fast.token_embedding(tokens) + fast.segment_embedding(segments) + fast.pos_embedding.data[:, :L, :]
+        for blk in fast.blks:
+            X = checkpoint(blk, X, valid_lens, use_reentrant=True)
+        return X
+
+    def offloaded():
+        with torch.autograd.graph.save_on_cpu():
+            return fast(tokens, segments, valid_lens)
+
+    packed = []
+
+    def through_pack_hooks():
+        def pack(t):
+            packed.append(t)
+            return t.clone()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return fast(tokens, segments, valid_lens)
+
+    expected = step(lambda: fast(tokens, segments, valid_lens))
+    variants = {"checkpoint(encoder)": lambda: checkpoint(fast, tokens, segments, valid_lens, use_reentrant=False),
+                "save_on_cpu": offloaded, "saved_tensors_hooks": through_pack_hooks}
+    if not skip_padding:   # the blocks of a skip_padding encoder take the packed rows its forward makes
+        variants["checkpoint(each block, reentrant)"] = blocks_checkpointed
+    for what, forward in variants.items():
+        for actual, wanted in zip(step(forward), expected, strict=True):
+            assert torch.equal(actual, wanted), f"{what}: {max_err(actual, wanted)}"
+    assert packed, "no saved tensor went through the hooks"
+
+
 @pytest.mark.parametrize("with_positions", [True, False])
 def test_bert_model_matches_reference(with_positions):
     cfg = encoder_config()
