@@ -856,60 +856,93 @@ def _merge_heads_cpu(x):
     return x.transpose(1, 2).flatten(2)
 
 
+# Keys of the (B * heads, L, ceil(L / 4) * 4) keep mask made at once by its CPU twin: Philox's
+# temporaries are int64, several per key alive at once, so the whole mask at once would hold
+# more memory than the attention weights themselves.
+_KEEP_CHUNK_ELEMENTS = 1 << 18
+
+
 def _attention_dropout_keep_cpu(batch, num_heads, max_seqlen, dropout_p, seed):
     """The kernels' keep mask (B, heads, L, L), bit for bit: key j of query i is word j % 4 of
     the Philox call with counters (i * ceil(L / 4) + j // 4, batch * heads + head), see
-    _dropout_keep."""
+    _dropout_keep. Made a few (batch, head) pairs at a time (_KEEP_CHUNK_ELEMENTS)."""
     groups = cdiv(max_seqlen, 4)
     counter = (torch.arange(max_seqlen, dtype=torch.int64, device=seed.device)[:, None] * groups
                + torch.arange(groups, dtype=torch.int64, device=seed.device)[None, :]) & 0xFFFFFFFF
-    bh = torch.arange(batch * num_heads, dtype=torch.int64, device=seed.device).view(batch, num_heads, 1, 1)
-    words = torch.stack(philox_words(seed, counter, bh), dim=-1)          # (B, heads, L, groups, 4)
-    keys = words.flatten(-2)[..., :max_seqlen]
-    return philox_uniform(keys) >= torch.tensor(dropout_p, dtype=torch.float32)
+    threshold = torch.tensor(dropout_p, dtype=torch.float32)
+    pairs = batch * num_heads
+    keep = torch.empty(pairs, max_seqlen, max_seqlen, dtype=torch.bool, device=seed.device)
+    step = max(1, _KEEP_CHUNK_ELEMENTS // (max_seqlen * groups * 4))
+    for first in range(0, pairs, step):
+        bh = torch.arange(first, min(first + step, pairs), dtype=torch.int64, device=seed.device).view(-1, 1, 1)
+        wide = torch.empty(bh.shape[0], max_seqlen, groups, 4, dtype=torch.bool, device=seed.device)
+        for word, bits in enumerate(philox_words(seed, counter, bh)):   # word w: keys 4 * group + w
+            wide[..., word] = philox_uniform(bits) >= threshold
+        keep[first:first + step] = wide.flatten(-2)[..., :max_seqlen]
+    return keep.view(batch, num_heads, max_seqlen, max_seqlen)
 
 
-def _attention_weights_cpu(q, k, valid_lens, dropout_p, seed):
-    """Scores with the reference's replacement, softmax, the visible mask and the dropout factor."""
-    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+def _drop_cpu_(x, keep, dropout_p):
+    """x * keep / (1 - p) in place (x fresh): what the kernels do to weights and their gradients."""
+    return x.mul_(keep).mul_(keep_scale(dropout_p))
+
+
+def _attention_probs_cpu(q, k, valid_lens, dropout_p, seed, with_lse):
+    """Softmax of the scores with the reference's replacement, the visible mask (or None), the
+    dropout keep mask (or None), and with_lse the rows' log-sum-exp (fp64, the kernels' output).
+    Made in place where it can: no more than two (B, heads, L, L) tensors at once, so that the
+    twins' peak memory stays near the reference's."""
+    scores = (q @ k.transpose(-1, -2)).div_(math.sqrt(q.shape[-1]))
     visible = None
     if valid_lens is not None:
         keys = torch.arange(k.shape[2], dtype=torch.float32, device=k.device)
         lengths = valid_lens[:, None, None, None] if valid_lens.dim() == 1 else valid_lens[:, None, :, None]
         visible = keys < lengths                                   # (B, 1, 1 or L, L)
-        scores = scores.masked_fill(~visible, MASK_VALUE)
+        scores.masked_fill_(~visible, MASK_VALUE)
+    # One head at a time: an fp64 copy of all the scores would be two more (B, heads, L, L).
+    lse = torch.stack([torch.logsumexp(s.double(), dim=-1) for s in scores.unbind(1)], 1) if with_lse else None
     probs = torch.softmax(scores, dim=-1)
-    dropout_scale = None
-    if dropout_p > 0.0:
-        keep = _attention_dropout_keep_cpu(*probs.shape[:3], dropout_p, seed)
-        dropout_scale = keep.to(probs.dtype) * keep_scale(dropout_p)
-    return scores, probs, visible, dropout_scale
+    del scores
+    keep = _attention_dropout_keep_cpu(*probs.shape[:3], dropout_p, seed) if dropout_p > 0.0 else None
+    return probs, visible, keep, lse
 
 
 def _attention_fwd_cpu(qkv, valid_lens, num_heads, dropout_p, seed):
     _check_attention_inputs(qkv, valid_lens, num_heads, dropout_p, seed, _CPU_DTYPES)
     q, k, v = _split_heads_cpu(qkv, num_heads)
-    scores, probs, _, dropout_scale = _attention_weights_cpu(q, k, valid_lens, dropout_p, seed)
-    weights = probs if dropout_scale is None else probs * dropout_scale
-    out = _merge_heads_cpu(weights @ v).to(qkv.dtype)
-    return out, torch.logsumexp(scores.double(), dim=-1)
+    weights, _, keep, lse = _attention_probs_cpu(q, k, valid_lens, dropout_p, seed, with_lse=True)
+    if keep is not None:
+        _drop_cpu_(weights, keep, dropout_p)
+    return _merge_heads_cpu(weights @ v).to(qkv.dtype), lse
 
 
 def _attention_bwd_cpu(grad_out, qkv, out, lse, valid_lens, num_heads, dropout_p, seed):
     """Exact: recomputes the softmax from the scores (the LSE is only the kernels' shortcut)."""
     head_dim = _check_attention_inputs(qkv, valid_lens, num_heads, dropout_p, seed, _CPU_DTYPES)
     _check_bwd_inputs(grad_out, out, lse, qkv, num_heads, head_dim, (qkv.shape[0], num_heads, qkv.shape[1]))
+    return _attention_grads_cpu(grad_out, qkv, valid_lens, num_heads, dropout_p, seed)
+
+
+def _attention_grads_cpu(grad_out, qkv, valid_lens, num_heads, dropout_p, seed):
+    """The packed QKV gradient, from the recomputed weights (inputs checked by the caller)."""
     q, k, v = _split_heads_cpu(qkv, num_heads)
-    _, probs, visible, dropout_scale = _attention_weights_cpu(q, k, valid_lens, dropout_p, seed)
+    probs, visible, keep, _ = _attention_probs_cpu(q, k, valid_lens, dropout_p, seed, with_lse=False)
     dout = grad_out.to(q.dtype).unflatten(-1, (num_heads, -1)).transpose(1, 2)
-    weights = probs if dropout_scale is None else probs * dropout_scale
-    dweights = dout @ v.transpose(-1, -2)
-    dprobs = dweights if dropout_scale is None else dweights * dropout_scale
-    dscores = probs * (dprobs - (probs * dprobs).sum(-1, keepdim=True))
+    if keep is None:
+        dv = probs.transpose(-1, -2) @ dout
+    else:
+        dv = _drop_cpu_(probs.mul(keep), keep, dropout_p).transpose(-1, -2) @ dout
+    dprobs = dout @ v.transpose(-1, -2)
+    if keep is not None:
+        _drop_cpu_(dprobs, keep, dropout_p)
+        del keep
+    # dscores = probs * (dprobs - rowsum(probs * dprobs)), in dprobs' memory.
+    dscores = dprobs.sub_((probs * dprobs).sum(-1, keepdim=True)).mul_(probs)
+    del probs
     if visible is not None:
-        dscores = dscores.masked_fill(~visible, 0.0)     # replaced scores are constants
-    scale = 1.0 / math.sqrt(head_dim)
-    grads = (dscores @ k * scale, dscores.transpose(-1, -2) @ q * scale, weights.transpose(-1, -2) @ dout)
+        dscores.masked_fill_(~visible, 0.0)     # replaced scores are constants
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    grads = (dscores @ k * scale, dscores.transpose(-1, -2) @ q * scale, dv)
     return torch.cat([_merge_heads_cpu(g) for g in grads], dim=-1).to(qkv.dtype)
 
 
@@ -951,10 +984,8 @@ def _varlen_attention_bwd_cpu(grad_out, qkv, out, lse, cu_seqlens, num_heads, ma
     _check_bwd_inputs(grad_out, out, lse, qkv, num_heads, head_dim, (num_heads, qkv.shape[0]))
     batch = cu_seqlens.shape[0] - 1
     rows = _padded_rows_cpu(cu_seqlens, qkv.shape[0], max_seqlen)
-    padded_qkv = _padded_cpu(qkv, rows, batch, max_seqlen)
-    padded_out, padded_lse = _attention_fwd_cpu(padded_qkv, cu_seqlens.diff(), num_heads, dropout_p, seed)
-    dqkv = _attention_bwd_cpu(_padded_cpu(grad_out, rows, batch, max_seqlen), padded_qkv, padded_out,
-                              padded_lse, cu_seqlens.diff(), num_heads, dropout_p, seed)
+    dqkv = _attention_grads_cpu(_padded_cpu(grad_out, rows, batch, max_seqlen), _padded_cpu(qkv, rows, batch, max_seqlen),
+                                cu_seqlens.diff(), num_heads, dropout_p, seed)
     return _packed_cpu(dqkv.flatten(0, 1), rows)
 
 
