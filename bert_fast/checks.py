@@ -218,6 +218,37 @@ def check_encoder_values(tokens, segments, valid_lens, *, vocab_size, max_len):
     return tokens
 
 
+def check_pred_positions(pred_positions, batch, device):
+    """The MLM head's (batch, num_predictions) positions into the encoder's output: type, rank,
+    batch, dtype and device (no sync; always checked)."""
+    if not isinstance(pred_positions, torch.Tensor):
+        raise TypeError(f"pred_positions must be a tensor, got {type(pred_positions).__name__}")
+    if pred_positions.dim() != 2 or pred_positions.shape[0] != batch:    # (expand_as would broadcast)
+        raise ValueError(f"pred_positions must have shape (batch, num_predictions) with batch {batch}, "
+                         f"got {tuple(pred_positions.shape)}")
+    if pred_positions.dtype not in ID_DTYPES:
+        # A bool tensor would index as a mask, a float one not at all.
+        raise TypeError(f"pred_positions must be {_ID_DTYPE_NAMES}, got {pred_positions.dtype}")
+    if pred_positions.device != device:
+        raise ValueError(f"pred_positions must be on the encoder output's device ({device}), "
+                         f"got {pred_positions.device}")
+
+
+def check_pred_position_values(pred_positions, seqlen):
+    """Positions in [-seq_len, seq_len) (negative ones count from the end, as the reference's
+    indexing does): one host sync, in eager mode only (where an out-of-range position would be
+    a device-side assert on CUDA). Nothing under torch.compile, a CUDA graph capture or vmap:
+    there the head indexes as the reference does."""
+    if (pred_positions.numel() == 0 or use_registered_op() or _capturing_cuda_graph(pred_positions)
+            or torch._C._functorch.is_batchedtensor(pred_positions)):
+        return
+    low, high = torch.aminmax(pred_positions)
+    low, high = (low.item(), high.item()) if pred_positions.is_cpu else torch.stack((low, high)).tolist()
+    if low < -seqlen or high >= seqlen:
+        raise ValueError(f"pred_positions must be in [-{seqlen}, {seqlen}) for sequences of length {seqlen} "
+                         f"(negative ones count from the end), got values in [{low}, {high}]")
+
+
 def _capturing_cuda_graph(t):
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 

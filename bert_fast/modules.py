@@ -15,8 +15,8 @@ from torch.nn import functional as F
 
 from . import ops
 from .backend import _GLOBAL_HOOKS, backend_of, resolve_backend
-from .checks import (check_dropout, check_encoder_inputs, check_encoder_shapes, check_flag, check_size,
-                     check_valid_lens)
+from .checks import (check_dropout, check_encoder_inputs, check_encoder_shapes, check_flag,
+                     check_pred_position_values, check_pred_positions, check_size, check_valid_lens)
 from .cuda_graph import DEFAULT_MAX_GRAPHS, clear_cuda_graphs, graphed_forward
 from .extension import require_extension
 from .ops._autograd import autocasting
@@ -662,9 +662,7 @@ class FastMaskLM(MaskLM):
     of predictions P guard on P != 1 (torch.export), refusing one prediction per sequence."""
 
     def forward(self, X, pred_positions):
-        if pred_positions.dim() != 2 or pred_positions.shape[0] != X.shape[0]:    # (expand_as would broadcast)
-            raise ValueError(f"pred_positions must have shape (batch, num_predictions) with batch {X.shape[0]}, "
-                             f"got {tuple(pred_positions.shape)}")
+        check_pred_positions(pred_positions, X.shape[0], X.device)
         rows = torch.arange(X.shape[0], device=X.device)[:, None].expand_as(pred_positions)
         return self._modules["mlp"](X[rows, pred_positions])
 
@@ -692,3 +690,11 @@ class FastBERTModel(BERTModel):
         self.hidden = nn.Sequential(nn.Linear(hid_in_features, num_hiddens), nn.Tanh())
         self.mlm = FastMaskLM(vocab_size, num_hiddens, mlm_in_features)
         self.nsp = NextSentencePred(nsp_in_features)
+
+    def forward(self, tokens, segments, valid_lens=None, pred_positions=None):
+        """The reference's forward; with the encoder's check_inputs, the MLM positions' values
+        are checked first (in eager mode), before anything runs on the device."""
+        if pred_positions is not None and self.encoder.check_inputs and isinstance(tokens, torch.Tensor):
+            check_pred_positions(pred_positions, tokens.shape[0], tokens.device)
+            check_pred_position_values(pred_positions, tokens.shape[-1])
+        return super().forward(tokens, segments, valid_lens, pred_positions)

@@ -796,6 +796,35 @@ def test_mlm_positions_of_another_batch_raise():
             model(tokens, segments, None, bad)
 
 
+def test_mlm_positions_of_a_wrong_dtype_device_or_range_raise():
+    """Positions of a float or bool dtype (a bool tensor would index as a mask), on another device
+    (a meta tensor gave uninitialised memory), or out of [-L, L) (a device-side assert on CUDA)
+    raise, saying what is allowed; negative ones count from the end, as in the reference; with
+    check_inputs=False only the value check is off (PyTorch's indexing error on the CPU)."""
+    cfg = encoder_config(num_layers=1)
+    hidden = cfg["num_hiddens"]
+    ref = R.BERTModel(**cfg, hid_in_features=hidden, mlm_in_features=hidden, nsp_in_features=hidden).eval()
+    model = FastBERTModel(**cfg, hid_in_features=hidden, mlm_in_features=hidden, nsp_in_features=hidden).eval()
+    model.load_state_dict(ref.state_dict())
+    tokens, segments = random_inputs(2, 8, 50)
+    for bad, error, message in ((torch.tensor([[0.0, 1.0], [2.0, 3.0]]), TypeError, "must be torch.int64"),
+                                (torch.tensor([[True, False], [True, True]]), TypeError, "must be torch.int64"),
+                                (torch.tensor([[0, 1], [2, 3]], device="meta"), ValueError, "device"),
+                                ([[0, 1], [2, 3]], TypeError, "must be a tensor"),
+                                (torch.tensor([[0, 8], [2, 3]]), ValueError, r"in \[-8, 8\).*\[0, 8\]"),
+                                (torch.tensor([[0, 1], [-9, 3]]), ValueError, r"in \[-8, 8\).*\[-9, 3\]")):
+        with pytest.raises(error, match=message):
+            model(tokens, segments, None, bad)
+    model.encoder.check_inputs = False
+    with pytest.raises(TypeError, match="must be torch.int64"):
+        model(tokens, segments, None, torch.tensor([[0.0, 1.0], [2.0, 3.0]]))
+    with pytest.raises(IndexError):
+        model(tokens, segments, None, torch.tensor([[0, 8], [2, 3]]))
+    model.encoder.check_inputs = True
+    allowed = torch.tensor([[-8, 7], [-1, 0]], dtype=torch.int32)
+    assert_close(model(tokens, segments, None, allowed)[1], ref(tokens, segments, None, allowed)[1], atol=1e-5)
+
+
 @pytest.mark.parametrize("backend", available_backends())
 def test_a_batch_without_a_valid_token_gives_every_parameter_a_gradient(backend):
     """skip_padding with every valid_len 0 (a data-parallel rank's share can be that): every
