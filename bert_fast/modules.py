@@ -240,8 +240,9 @@ def packed_qkv(holder, projections):
     ``load_state_dict``), their live memory: no copy. The buffer is remembered in
     ``holder._qkv_packing`` with the Parameters and their layouts (_QKVPacking): while it is
     held its memory cannot be reused, so the same Parameters with the same addresses, shapes
-    and strides are still its parts. Under autograd (and for Parameters not packed, and while
-    torch.compile traces) they are concatenated: the concatenation's native autograd costs the
+    and strides are still its parts. Under autograd (and for Parameters not packed, while
+    torch.compile traces, and under torch.func's transforms, whose wrapped tensors have no
+    memory to view: vmap over stacked Parameters) they are concatenated: the concatenation's native autograd costs the
     host less than a Function handing each Parameter its slice of the gradient (measured), and
     training reads each weight once. Where some projections have a bias and some not, the
     missing ones are zeros."""
@@ -250,7 +251,7 @@ def packed_qkv(holder, projections):
     biases = tuple([p["bias"] for p in parameters if p["bias"] is not None])
     params = weights + biases
     if (len(biases) in (0, 3) and not (torch.is_grad_enabled() and any(p.requires_grad for p in params))
-            and not torch.compiler.is_compiling()):
+            and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()):
         packing = _packing_of(holder, params)
         if packing is not None:
             return packing.weight, packing.bias

@@ -15,7 +15,7 @@ from bert_fast import FastBERTEncoder, FastBERTModel, FastEncoderBlock, optimize
 from bert_fast import reference as R
 from bert_fast.backend import available_backends
 
-from tests.helpers import encoder_config, encoder_pair, random_inputs
+from tests.helpers import assert_close, encoder_config, encoder_pair, random_inputs
 from tests.isolated import call_in_child
 
 BACKENDS = available_backends()
@@ -252,3 +252,23 @@ def test_value_checks_under_vmap_say_to_turn_them_off():
         per_sequence(fast)
     fast.check_inputs = False
     assert (per_sequence(fast) - per_sequence(ref)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("grad_enabled", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("skip_padding", [False, True], ids=["exact", "skip_padding"])
+def test_vmap_over_stacked_parameters_runs_an_ensemble(skip_padding, grad_enabled):
+    """Model ensembling (torch.func.stack_module_state + functional_call under vmap): the
+    packed QKV of inference viewed the Parameters' memory, which vmap's wrapped Parameters do
+    not have (PyTorch's "Cannot access data pointer"); under a transform they are concatenated."""
+    config = encoder_config()
+    pairs = [encoder_pair(config, backend="torch", check_inputs=False, skip_padding=skip_padding) for _ in range(2)]
+    base = pairs[0][1]
+    params, buffers = torch.func.stack_module_state([fast for _, fast in pairs])
+    tokens, segments = random_inputs(2, 6, config["vocab_size"])
+    valid_lens = torch.tensor([4, 6])
+    with torch.set_grad_enabled(grad_enabled):
+        ensemble = torch.func.vmap(lambda p, b: torch.func.functional_call(base, (p, b), (tokens, segments, valid_lens)))
+        outputs = ensemble(params, buffers)
+    valid = (torch.arange(6) < valid_lens[:, None])[..., None]
+    for out, (ref, _) in zip(outputs, pairs, strict=True):
+        assert_close(out * valid, ref(tokens, segments, valid_lens) * valid, atol=1e-5)
