@@ -507,6 +507,8 @@ class FastBertModel(BertModel):
                     return f"{name}={type(value).__name__ if isinstance(value, torch.Tensor) else value!r}"
             elif name not in _HANDLED and value is not None:
                 return f"argument {name!r}"
+        if getattr(self.config, "is_decoder", False):     # (optimize() refuses it; set since: HF reads it per call)
+            return "config.is_decoder (causal self-attention)"
         if kwargs.get("output_attentions") is None and getattr(self.config, "output_attentions", False):
             return "config.output_attentions"
         if "output_hidden_states" not in kwargs:
@@ -576,6 +578,9 @@ class FastBertModel(BertModel):
             raise ValueError(f"input_ids must be a (batch, seq_len) tensor, got "
                              f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)}")
         batch, seqlen = input_ids.shape
+        if batch == 0 or seqlen == 0:    # (HF: "cannot reshape tensor of 0 elements"; the CPU flash attention: SIGFPE)
+            raise ValueError(f"input_ids must hold at least one sequence of at least one token, got shape "
+                             f"{(batch, seqlen)}")
         if attention_mask is not None and tuple(attention_mask.shape) != (batch, seqlen):
             raise ValueError(f"attention_mask must have the shape of input_ids {(batch, seqlen)}, "
                              f"got {tuple(attention_mask.shape)}")

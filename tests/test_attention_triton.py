@@ -305,6 +305,7 @@ def test_cpu_twins_hold_at_most_two_weights_forward_and_three_backward(dropout_p
     keep = _attention_dropout_keep_cpu(batch, heads, seqlen, 0.3, seed_tensor(5, "cpu"))
     monkeypatch.setattr(attention, "_KEEP_CHUNK_ELEMENTS", 1)
     assert torch.equal(_attention_dropout_keep_cpu(batch, heads, seqlen, 0.3, seed_tensor(5, "cpu")), keep)
+    assert _attention_dropout_keep_cpu(batch, heads, 0, 0.3, seed_tensor(5, "cpu")).shape == (batch, heads, 0, 0)
     weights = batch * heads * seqlen * seqlen * 4
     qkv = torch.randn(batch, seqlen, 3 * heads * head_dim)
     valid_lens = torch.tensor([64.0, 30.0, 0.0, 5.0])

@@ -26,6 +26,7 @@ from bert_fast.ops._triton import kernels_on_cpu  # noqa: E402
 from bert_fast.ops.embedding_layernorm import embedding_layernorm  # noqa: E402
 from tests import minilm  # noqa: E402
 from tests.helpers import StubSteps, assert_close, max_err, needs_kernels, peak_bytes  # noqa: E402
+from tests.isolated import call_in_child  # noqa: E402
 
 # A call that silently took HF's forward would compare HF with itself: fail on any fallback
 # warning, except where a test records them on purpose.
@@ -1252,3 +1253,32 @@ def test_a_hook_on_a_layer_is_told_when_it_sees_the_fast_layout():
     with pytest.warns(UserWarning, match=r"skip_padding's packed tokens"):
         fast(ids, attention_mask=prefix, token_type_ids=types)
     assert seen[-1] == (int(prefix.sum()), 36)
+
+
+@pytest.mark.filterwarnings("default::bert_fast.hf.HFFallbackWarning")
+def test_is_decoder_set_after_optimize_runs_hfs_causal_forward():
+    """optimize() refuses config.is_decoder; set afterwards (the config is shared, HF reads it at
+    each call and masks causally), the fast path attended both ways: 0.07 off, silently."""
+    model, fast = hf_pair(config(), backend="triton")
+    ids, segments = inputs(2, 6)
+    fast(input_ids=ids, token_type_ids=segments)
+    model.config.is_decoder = fast.config.is_decoder = True
+    with pytest.warns(hf.HFFallbackWarning, match="config.is_decoder"):
+        out = fast(input_ids=ids, token_type_ids=segments).last_hidden_state
+    assert torch.equal(out, model(input_ids=ids, token_type_ids=segments).last_hidden_state)
+
+
+def encode_empty_batch(backend, shape, training):
+    """(In a child: the CPU flash attention on empty tensors died of SIGFPE.)"""
+    model = BertModel(config()).train(training)
+    bert_fast.optimize(model, backend=backend)
+    model(input_ids=torch.zeros(shape, dtype=torch.long))
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("shape", [(2, 0), (0, 3)], ids=["no-token", "no-sequence"])
+@pytest.mark.parametrize("backend", available_backends())
+def test_an_empty_batch_raises_a_value_error(backend, shape, training):
+    with pytest.raises(ValueError, match=r"input_ids must hold at least one sequence of at least one token, "
+                                         rf"got shape \({shape[0]}, {shape[1]}\)"):
+        call_in_child(encode_empty_batch, backend, shape, training)

@@ -872,7 +872,7 @@ def _attention_dropout_keep_cpu(batch, num_heads, max_seqlen, dropout_p, seed):
     threshold = torch.tensor(dropout_p, dtype=torch.float32)
     pairs = batch * num_heads
     keep = torch.empty(pairs, max_seqlen, max_seqlen, dtype=torch.bool, device=seed.device)
-    step = max(1, _KEEP_CHUNK_ELEMENTS // (max_seqlen * groups * 4))
+    step = max(1, _KEEP_CHUNK_ELEMENTS // max(1, max_seqlen * groups * 4))
     for first in range(0, pairs, step):
         bh = torch.arange(first, min(first + step, pairs), dtype=torch.int64, device=seed.device).view(-1, 1, 1)
         wide = torch.empty(bh.shape[0], max_seqlen, groups, 4, dtype=torch.bool, device=seed.device)
