@@ -272,3 +272,24 @@ def test_vmap_over_stacked_parameters_runs_an_ensemble(skip_padding, grad_enable
     valid = (torch.arange(6) < valid_lens[:, None])[..., None]
     for out, (ref, _) in zip(outputs, pairs, strict=True):
         assert_close(out * valid, ref(tokens, segments, valid_lens) * valid, atol=1e-5)
+
+
+def run_block_on(backend, shape, training):
+    """(In a child: the fused layer's CPU flash attention on an empty X died of SIGFPE.)"""
+    hidden = shape[-1]
+    block = FastEncoderBlock(hidden, hidden, hidden, hidden, [hidden], hidden, 2 * hidden, 4, 0.0,
+                             backend=backend).train(training)
+    return block(torch.randn(shape), torch.zeros(shape[0])).shape
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("shape", [(2, 0, 32), (0, 3, 32)], ids=["no-token", "no-sequence"])
+@pytest.mark.parametrize("backend", available_backends())
+def test_a_block_on_an_empty_batch_raises_as_the_reference(backend, shape, training):
+    """The block's empty X gets the per-op path, which raises a RuntimeError from PyTorch's
+    shape checks, as the reference does (no crash)."""
+    ref = R.EncoderBlock(32, 32, 32, 32, [32], 32, 64, 4, 0.0).train(training)
+    with pytest.raises(RuntimeError):
+        ref(torch.randn(shape), torch.zeros(shape[0]))
+    with pytest.raises(RuntimeError):
+        call_in_child(run_block_on, backend, shape, training)
