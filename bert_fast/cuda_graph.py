@@ -31,8 +31,8 @@ reason ("device", "training", "autograd", "hooks": grad mode on and forward hook
 submodules, present at capture or global, which a replay would not run (one may add a tensor
 that requires grad), "parameters": tensor subclasses such as FSDP's DTensors, "capture": a
 capture that failed, after which its bucket stays eager). While torch.compile or torch.jit
-traces, under a dispatch mode (FakeTensorMode, a FLOP counter), and inside someone else's
-capture, the eager forward runs silently (the caller records it).
+traces, under a dispatch mode (FakeTensorMode, a FLOP counter; not the host benchmark's op
+counter, which sets ``bert_fast_sees_replays``), and inside someone else's capture, the eager forward runs silently (the caller records it).
 
 Buckets. B and L are rounded up (``bucket_batch``, ``bucket_seqlen``): L to a multiple of 16
 up to 128, then 4 buckets per octave (160, 192, 224, 256, 320, 384, 448, 512, 640, ...), never
@@ -1214,6 +1214,13 @@ def _capture(calls, state, key, slot, num_tokens):
     return entry
 
 
+def _modes_see_replays():
+    """Every active dispatch mode only watches the real ops (``bert_fast_sees_replays = True``:
+    the host benchmark's op counter), so the call may replay: what it counts is the replay's."""
+    return all(getattr(mode, "bert_fast_sees_replays", False)
+               for mode in torch.utils._python_dispatch._get_current_dispatch_mode_stack())
+
+
 def graphed(calls, inputs):
     """The forward of ``calls.module`` with cuda_graphs on: replay the CUDA graph of the call's
     shape bucket, capturing it on the bucket's first call; the eager forward where graphs do
@@ -1224,7 +1231,8 @@ def graphed(calls, inputs):
     the read of the id ranges. A replay they find wrong is not returned: a changed tree (its
     replaced tensors are kept alive by the snapshot until the replay has run) makes the call
     again, checking first; bad ids (staged clamped) raise."""
-    if (torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._len_torch_dispatch_stack()
+    if (torch.compiler.is_compiling() or torch.jit.is_tracing()
+            or (torch._C._len_torch_dispatch_stack() and not _modes_see_replays())
             or not calls.understood(inputs)):
         # (Under a dispatch mode (FakeTensorMode, a FLOP counter) the mode must see the ops; a
         # replay would also cache its fake tensors as the static buffers.)

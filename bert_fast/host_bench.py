@@ -154,7 +154,10 @@ def gpu_launch_path(arch=None):
 
 
 class _OpCounter(TorchDispatchMode):
-    """Counts the ATen operator calls that reach a kernel (below autograd)."""
+    """Counts the ATen operator calls that reach a kernel (below autograd). Automatic CUDA graphs
+    replay under it (other dispatch modes make them run eagerly): it counts a replay's ops."""
+
+    bert_fast_sees_replays = True
 
     def __init__(self):
         super().__init__()

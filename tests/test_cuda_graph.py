@@ -1055,6 +1055,20 @@ def test_dispatch_modes_see_the_eager_forward(stub):
     assert stub.attempts == 1
 
 
+def test_the_host_benchmarks_op_counter_sees_the_replay(stub):
+    """The host benchmark counts ops per call under a dispatch mode: graphs must replay under
+    it (its "cuda_graphs forward" rows counted the eager forward's ops)."""
+    from bert_fast.host_bench import _OpCounter
+    encoder = auto_encoder(check_inputs=False)
+    tokens, segments = random_inputs(B, L, VOCAB)
+    expected = eager_forward(encoder, tokens, segments)
+    graphed(encoder, tokens, segments)
+    replays = stub.replays
+    with _OpCounter() as replayed:
+        assert_eager_result(graphed(encoder, tokens, segments), expected)
+    assert stub.replays == replays + 1 and replayed.calls > 0     # (the stub's replay runs the ops: no fewer here)
+
+
 def test_new_matmul_precision_api_and_any_autocast_are_in_the_key(stub):
     """torch.backends.cuda.matmul.fp32_precision (the legacy getter raises once it is used, on
     torch 2.13), fp16 accumulation and autocast for another device type are read by the
