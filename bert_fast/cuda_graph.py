@@ -32,7 +32,8 @@ submodules, present at capture or global, which a replay would not run (one may 
 that requires grad), "parameters": tensor subclasses such as FSDP's DTensors, "capture": a
 capture that failed, after which its bucket stays eager). While torch.compile or torch.jit
 traces, under a dispatch mode (FakeTensorMode, a FLOP counter; not the host benchmark's op
-counter, which sets ``bert_fast_sees_replays``), and inside someone else's capture, the eager forward runs silently (the caller records it).
+counter, which sets ``bert_fast_sees_replays``), and inside someone else's capture, the eager
+forward runs silently (the caller records it).
 
 Buckets. B and L are rounded up (``bucket_batch``, ``bucket_seqlen``): L to a multiple of 16
 up to 128, then 4 buckets per octave (160, 192, 224, 256, 320, 384, 448, 512, 640, ...), never
