@@ -29,6 +29,7 @@ bert_fast/bench_common.py, also used by ``benchmarks/``.
 
 import argparse
 import datetime
+import os
 import sys
 import time
 from pathlib import Path
@@ -208,7 +209,8 @@ def suite_requested(argv):
     benchmark; each has its own options), or None."""
     probe = argparse.ArgumentParser(add_help=False)
     probe.add_argument("--suite")
-    return probe.parse_known_args(argv)[0].suite
+    suite = probe.parse_known_args(argv)[0].suite
+    return suite if suite in ("gpu", "host") else None      # (another value: the main parser's error)
 
 
 def _per_preset(key, fmt=str):
@@ -352,6 +354,12 @@ def main(argv=None):
                 print(markdown)
         except ValueError as error:     # not a record, or no markers: say so, no traceback
             sys.exit(f"python -m bert_fast.bench: error: {error}")
+        except KeyError as error:
+            sys.exit(f"python -m bert_fast.bench: error: a record of {', '.join(args.table_from)} lacks the "
+                     f"field {error} (written by another version or edited?)")
+        except BrokenPipeError:         # the reader (e.g. | head) stopped reading: nothing to say
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(1)
         except OSError as error:        # the README not there, not writable
             sys.exit(f"python -m bert_fast.bench: error: cannot update {args.readme}: {error.strerror or error}")
         return
@@ -360,6 +368,9 @@ def main(argv=None):
             plot_from_json(args.plot_from, args.plot)
         except ValueError as error:
             sys.exit(f"python -m bert_fast.bench: error: {error}")
+        except KeyError as error:
+            sys.exit(f"python -m bert_fast.bench: error: a record of {', '.join(args.plot_from)} lacks the "
+                     f"field {error} (written by another version or edited?)")
         print(f"wrote {args.plot}")
         return
     device = args.device

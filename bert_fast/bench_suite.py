@@ -812,6 +812,11 @@ def main(argv, record_argv=None):
           f"{options.dtype}, shapes {[s.name for s in shapes]}, backends {options.backends}, "
           f"compile {options.compile}, autotune {options.autotune and options.compile}; "
           f"record {path or 'none (--no-record)'}", flush=True)
+    if device.type == "cpu":
+        print("note: the GPU suite on a CPU is a smoke run (--preset demo --quick takes minutes; the default "
+              "matrix, hours); its '% peak' sets each row against one N x N x N matmul in that dtype, which "
+              "a CPU without fast bf16/fp16 GEMMs runs far below the model's own GEMMs (shares over 100%): "
+              "not a measure of the hardware", flush=True)
     progress = Progress()
 
     def on_group(rows, peaks, group):

@@ -230,3 +230,16 @@ def test_compiled_reference_is_compiled_static_per_length(monkeypatch):
     bench.run_benchmark(models, batch=1, seqs=[8, 16, 24], min_len_frac=1.0, seed=0, repeats=1, warmup=1,
                         device=torch.device("cpu"))
     assert len(resets) == 3
+
+
+def test_a_record_missing_a_field_and_an_unknown_suite_are_clear_errors(tmp_path, monkeypatch, capsys):
+    """A record of the right kind without its fields gave a KeyError traceback; ``--suite foo``
+    listed the GPU suite's choices only."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "partial.json").write_text('{"config": {"encoder": {}}, "rows": []}')
+    for argv in (["--table-from", "partial.json"], ["--plot-from", "partial.json", "--plot", "x.png"]):
+        with pytest.raises(SystemExit, match=r"a record of partial.json lacks the field '\w+'"):
+            bench.main(argv)
+    with pytest.raises(SystemExit):
+        bench.main(["--suite", "foo"])
+    assert "invalid choice: 'foo' (choose from 'gpu', 'host')" in capsys.readouterr().err
