@@ -984,8 +984,8 @@ def _varlen_attention_bwd_cpu(grad_out, qkv, out, lse, cu_seqlens, num_heads, ma
     _check_bwd_inputs(grad_out, out, lse, qkv, num_heads, head_dim, (num_heads, qkv.shape[0]))
     batch = cu_seqlens.shape[0] - 1
     rows = _padded_rows_cpu(cu_seqlens, qkv.shape[0], max_seqlen)
-    dqkv = _attention_grads_cpu(_padded_cpu(grad_out, rows, batch, max_seqlen), _padded_cpu(qkv, rows, batch, max_seqlen),
-                                cu_seqlens.diff(), num_heads, dropout_p, seed)
+    dqkv = _attention_grads_cpu(_padded_cpu(grad_out, rows, batch, max_seqlen),
+                                _padded_cpu(qkv, rows, batch, max_seqlen), cu_seqlens.diff(), num_heads, dropout_p, seed)
     return _packed_cpu(dqkv.flatten(0, 1), rows)
 
 
