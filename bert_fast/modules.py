@@ -244,8 +244,8 @@ def packed_qkv(holder, projections):
     torch.compile traces, and under torch.func's transforms, whose wrapped tensors have no
     memory to view: vmap over stacked Parameters) they are concatenated: the concatenation's
     native autograd costs the host less than a Function handing each Parameter its slice of the
-    gradient (measured), and training reads each weight once. Where some projections have a bias and some not, the
-    missing ones are zeros."""
+    gradient (measured), and training reads each weight once. Where some projections have a
+    bias and some not, the missing ones are zeros."""
     parameters = [m._parameters for m in projections]
     weights = tuple([p["weight"] for p in parameters])
     biases = tuple([p["bias"] for p in parameters if p["bias"] is not None])
