@@ -1,5 +1,6 @@
 """Shared helpers for the tests: model pairs with equal weights, and error reporting."""
 
+import contextlib
 import weakref
 
 import pytest
@@ -9,7 +10,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from bert_fast import FastBERTEncoder
 from bert_fast import cuda_graph
 from bert_fast import reference as R
-from bert_fast.ops._triton import HAS_TRITON, interpreting
+from bert_fast.ops._triton import HAS_TRITON, interpreting, kernels_on_cpu
 
 # Error floors of the tolerance rule in ../shared/STYLE.md (flash-attention's rule).
 FLOOR = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
@@ -172,6 +173,19 @@ needs_kernels = pytest.mark.skipif(not (HAS_TRITON and (torch.cuda.is_available(
                                    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (set by conftest.py "
                                           "when there is no CUDA)")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@contextlib.contextmanager
+def interpreted_kernels():
+    """Within: the Triton launchers take CPU tensors (kernels_on_cpu), where Triton's interpreter
+    runs (conftest.py sets it when there is no CUDA). On a GPU machine Triton compiles for the
+    GPU, so CPU tensors cannot reach its kernels: the test is skipped there (its GPU tests run the
+    same kernels on CUDA tensors)."""
+    if not (HAS_TRITON and interpreting()):
+        pytest.skip("the Triton kernels on CPU tensors need TRITON_INTERPRET=1 (set by conftest.py when "
+                    "there is no CUDA)")
+    with kernels_on_cpu():
+        yield
 BF16_OK = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
 
 

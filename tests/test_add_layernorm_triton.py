@@ -248,10 +248,10 @@ def test_opcheck_of_the_triton_launcher(dropout_p):
     of one reduction): its outputs must not alias (opcheck's schema test; torch.library raises
     otherwise). Its fake-tensor tests are the CPU kernel's (test_opcheck): the interpreter
     cannot run on fake tensors."""
-    from bert_fast.ops._triton import kernels_on_cpu
+    from tests.helpers import interpreted_kernels
     x, residual, weight, bias, grad_out = make_inputs((2, 3, 8), torch.float32, "both", "cpu")
     seed = seed_tensor(7, "cpu") if dropout_p else None
-    with kernels_on_cpu():
+    with interpreted_kernels():
         _, mean, rstd = add_layernorm_fwd(x, residual, weight, bias, 1e-5, seed, dropout_p)
         torch.library.opcheck(add_layernorm_bwd, (grad_out, x, residual, weight, mean, rstd, seed, dropout_p, True),
                               test_utils="test_schema")

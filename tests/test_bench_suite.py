@@ -4,6 +4,7 @@ exact methods match the fp32 reference, and --table-from / --plot-from read the 
 
 import datetime
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -197,7 +198,9 @@ def test_pytest_matrix_smoke_run(tmp_path):
                "--matrix-device", "cpu", "--matrix-preset", "demo", "--matrix-dtype", "float32",
                "--matrix-quick", "--matrix-shapes", "mixed", "train", "--matrix-record", str(path),
                "-k", "not compile"]
-    result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
+    # Not as an xdist worker: pytest-benchmark reads PYTEST_XDIST_WORKER and turns itself off.
+    env = {name: value for name, value in os.environ.items() if not name.startswith("PYTEST_XDIST")}
+    result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "bert_fast GPU matrix" in result.stdout and "demo-float32-mixed" in result.stdout
     record = bench_common.load_json(path)

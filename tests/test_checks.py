@@ -229,21 +229,25 @@ def test_segment_ids_of_a_wider_dtype_are_checked_without_wrapping():
 ], ids=["valid", "token-high", "token-negative", "segment-wide", "segment-negative", "nan"])
 def test_value_check_of_host_and_device_inputs_agree(tokens, segments, valid_lens):
     """The value check reads CPU inputs per tensor (no sync to save there) and CUDA inputs in one
-    stacked read (one sync); the GPU's form runs here on CPU tensors standing for CUDA ones
-    (kernels_on_cpu). Both accept and reject the same inputs with the same message."""
+    stacked read (one sync); the GPU's form runs on CUDA tensors where there is a GPU, else on CPU
+    tensors standing for CUDA ones (kernels_on_cpu). Both accept and reject the same inputs with
+    the same message."""
     from bert_fast.checks import _check_values
-    from bert_fast.ops._triton import kernels_on_cpu
+    from tests.helpers import interpreted_kernels
 
-    def outcome():
+    def outcome(*inputs):
         try:
-            _check_values(tokens, segments, valid_lens, 50)
+            _check_values(*inputs, 50)
         except ValueError as error:
             return str(error)
         return "accepted"
 
-    on_host = outcome()
-    with kernels_on_cpu():
-        as_on_device = outcome()
+    on_host = outcome(tokens, segments, valid_lens)
+    if torch.cuda.is_available():
+        as_on_device = outcome(*(t if t is None else t.cuda() for t in (tokens, segments, valid_lens)))
+    else:
+        with interpreted_kernels():
+            as_on_device = outcome(tokens, segments, valid_lens)
     assert on_host == as_on_device
     assert (on_host == "accepted") == (tokens.min() >= 0 and tokens.max() < 50 and segments.min() >= 0
                                        and segments.max() <= 1 and (valid_lens is None or not valid_lens.isnan().any()))

@@ -248,6 +248,13 @@ def _scenario_fsdp1(rank, *, backend, valid_lens):
     return checks.report()
 
 
+def _cpu_mesh():
+    """The ranks' CPU mesh: fully_shard's default mesh is on CUDA where there is a GPU, which would
+    move the shards there, away from the CPU reference and gloo."""
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", (WORLD_SIZE,))
+
+
 def _scenario_fsdp(rank, *, backend, valid_lens, pack_qkv=None, skip_padding=False):
     """pack_qkv: None, "before_wrap" or "after_wrap" (on the DTensor shards)."""
     from torch.distributed.fsdp import fully_shard
@@ -266,9 +273,10 @@ def _scenario_fsdp(rank, *, backend, valid_lens, pack_qkv=None, skip_padding=Fal
                                         attention.W_v.weight]) is not None,
                     f"{local.where}: pack_qkv_() did not pack (the scenario would test nothing)")
     original = weakref.ref(model.blks[0].attention.W_q.weight)
+    mesh = _cpu_mesh()
     for blk in model.blks:
-        fully_shard(blk)
-    fully_shard(model)
+        fully_shard(blk, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     # Before any forward: FSDP2 leaves the root's parameters unsharded after a forward (until
     # its backward), and an optimizer built then would hold those temporary tensors.
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -318,9 +326,10 @@ def _scenario_hf(rank, *, wrapper, backend, skip_padding=False):
     if wrapper == "ddp":
         wrapped = DistributedDataParallel(model, find_unused_parameters=True)    # the pooler: no loss
     else:
+        mesh = _cpu_mesh()
         for layer in model.encoder.layer:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         wrapped = model
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
     mine = slice(rank * B // WORLD_SIZE, (rank + 1) * B // WORLD_SIZE)

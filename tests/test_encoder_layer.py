@@ -4,7 +4,7 @@ in training, the launchers alone in inference.
 It must give what the per-op path gives (same launchers, same dropout draws) for values and
 every gradient, so each test runs one block both ways: the fused layer, and the per-op path
 forced by a no-op forward hook on the attention submodule (a hook is one of the things the
-fused path refuses to bypass). CPU: the CPU kernels; with ``kernels_on_cpu()`` the Triton
+fused path refuses to bypass). CPU: the CPU kernels; with ``interpreted_kernels()`` the Triton
 launchers in the interpreter (the GPU's path); on a GPU the same comparison in fp32 and bf16.
 """
 
@@ -18,8 +18,9 @@ from bert_fast import ops
 from bert_fast import reference as R
 from bert_fast.backend import available_backends
 from bert_fast.modules import FastEncoderBlock
-from bert_fast.ops._triton import interpreting, kernels_on_cpu
-from tests.helpers import BF16_OK, assert_close, held_by_the_graph, needs_cuda, needs_kernels, peak_bytes
+from bert_fast.ops._triton import interpreting
+from tests.helpers import (BF16_OK, assert_close, held_by_the_graph, interpreted_kernels, needs_cuda, needs_kernels,
+                           peak_bytes)
 
 BACKENDS = [b for b in available_backends() if b in ("triton", "cuda")]
 B, L, HEADS, HEAD_DIM, FFN = 2, 11, 2, 16, 48        # L not a multiple of the kernels' tiles
@@ -219,7 +220,7 @@ def test_a_norm_the_add_norm_kernel_cannot_take_runs_the_per_op_path(backend, mo
     block = make_block(backend).eval()
     block.addnorm2.ln = torch.nn.LayerNorm((L, H))
     x, _ = inputs()
-    with kernels_on_cpu(), counting_fused_calls(monkeypatch) as calls, torch.inference_mode():
+    with interpreted_kernels(), counting_fused_calls(monkeypatch) as calls, torch.inference_mode():
         with pytest.raises(ValueError, match=r"weight must have shape \(32,\)"):
             block(x, None)
     assert not calls, "the fused layer ran"
@@ -337,7 +338,7 @@ def test_fused_layer_on_packed_tokens_of_empty_sequences_only(backend, kernels):
     valid_lens = torch.zeros(B)
     x, grad_out, unpadding = packed_inputs(valid_lens, None)
     assert x.shape == (0, H)
-    with kernels_on_cpu() if kernels else contextlib.nullcontext():
+    with interpreted_kernels() if kernels else contextlib.nullcontext():
         fused, per_op = fused_and_per_op(block, x, valid_lens, grad_out, unpadding)
     assert fused[0].shape == per_op[0].shape == (0, H)
     for name, grad in fused[2].items():
@@ -366,7 +367,7 @@ def test_the_graph_holds_nothing_after_the_backward(backend, per_op, dropout, pa
         x, _, unpadding = packed_inputs(valid_lens, PACKINGS[packing])
         key_mask = None
     x.requires_grad_()
-    with kernels_on_cpu() if kernels else contextlib.nullcontext():
+    with interpreted_kernels() if kernels else contextlib.nullcontext():
         held = held_by_the_graph(lambda: block(x, key_mask, unpadding=unpadding))
     assert all(shape == (1,) and dtype == torch.int64 for shape, dtype in held), held
     assert len(held) <= (3 if dropout else 0), held
@@ -382,7 +383,7 @@ def test_fused_inference_peak_is_the_per_op_paths(backend, activation, kernels):
     x, _ = inputs()
     key_mask = ops.prepare_key_mask(VALID_LENS["1d"], L, backend, x.dtype)       # as the encoder makes it
     peaks = []
-    with torch.no_grad(), kernels_on_cpu() if kernels else contextlib.nullcontext():
+    with torch.no_grad(), interpreted_kernels() if kernels else contextlib.nullcontext():
         for hooked in (False, True):
             handle = block.attention.register_forward_hook(lambda *args: None) if hooked else None
             peaks.append(peak_bytes(lambda: block(x, key_mask)))
@@ -428,7 +429,7 @@ def test_output_is_not_a_view_and_can_be_edited_in_place():
 def test_fused_layer_through_the_kernels(backend, valid_lens, dropout):
     block = make_block(backend, dropout=dropout, use_bias=True, activation="gelu" if dropout else "relu")
     x, grad_out = inputs()
-    with kernels_on_cpu():
+    with interpreted_kernels():
         key_mask = ops.prepare_key_mask(valid_lens, L, backend)
         fused, per_op = fused_and_per_op(block, x, key_mask, grad_out)
     assert_same(fused, per_op, atol=1e-5)
@@ -451,7 +452,7 @@ def test_cuda_backend_add_norm_backwards(extension_backward, dropout, activation
     device = "cuda" if torch.cuda.is_available() else "cpu"
     block = make_block("cuda", dropout=dropout, use_bias=True, activation=activation, device=device)
     x, grad_out = inputs(device)
-    with contextlib.nullcontext() if device == "cuda" else kernels_on_cpu():
+    with contextlib.nullcontext() if device == "cuda" else interpreted_kernels():
         fused, per_op = fused_and_per_op(block, x, ops.prepare_key_mask(VALID_LENS["1d"].to(device), L, "cuda"),
                                          grad_out)
     assert len(calls) == (0 if extension_backward else 2), "which backward ran for the two add-norms"
@@ -465,7 +466,7 @@ def test_cuda_backend_add_norm_backwards(extension_backward, dropout, activation
 def test_fused_layer_under_autocast_through_the_kernels(backend, dropout, monkeypatch):
     """fp16: the interpreter's tl.dot mistreats bf16 (the GPU's bf16 is checked on the GPU)."""
     block = make_block(backend, dropout=dropout, use_bias=True, activation="gelu" if dropout else "relu")
-    with kernels_on_cpu():
+    with interpreted_kernels():
         check_autocast(block, ops.prepare_key_mask(VALID_LENS["1d"], L, backend), torch.float16, monkeypatch)
 
 
@@ -476,7 +477,7 @@ def test_fused_layer_under_autocast_through_the_kernels(backend, dropout, monkey
 def test_fused_inference_through_the_kernels(backend, valid_lens, monkeypatch):
     block = make_block(backend, use_bias=True, activation="gelu").eval()
     x, _ = inputs()
-    with kernels_on_cpu():
+    with interpreted_kernels():
         key_mask = ops.prepare_key_mask(valid_lens, L, backend)
         fused, per_op = infer_fused_and_per_op(block, x, key_mask, monkeypatch)
     assert_close(fused, per_op, atol=1e-5, rtol=0, what="output")
@@ -497,7 +498,7 @@ def test_inference_skips_the_attention_lse(backend, monkeypatch):
     monkeypatch.setattr(attention, "_attention_fwd_triton", recording)
     block = make_block(backend, use_bias=True)
     x, _ = inputs()
-    with kernels_on_cpu():
+    with interpreted_kernels():
         key_mask = ops.prepare_key_mask(VALID_LENS["1d"], L, backend)
         infer_fused_and_per_op(block.eval(), x, key_mask, monkeypatch)
         assert asked == [False, False]
@@ -514,7 +515,7 @@ def test_fused_layer_on_packed_tokens_through_the_kernels(backend, packing, drop
     block = make_block(backend, dropout=dropout, use_bias=True, activation="gelu" if dropout else "relu")
     valid_lens = PACKED_VALID_LENS["empty-seq"]
     x, grad_out, unpadding = packed_inputs(valid_lens, PACKINGS[packing])
-    with kernels_on_cpu():
+    with interpreted_kernels():
         fused, per_op = fused_and_per_op(block, x, valid_lens, grad_out, unpadding)
         assert_same(fused, per_op, atol=1e-5)
         inferred = infer_fused_and_per_op(block.eval(), x, valid_lens, monkeypatch, unpadding=unpadding)
@@ -535,7 +536,7 @@ def test_fused_layer_matches_the_torch_backend(backend, valid_lens, activation):
     plain.load_state_dict(block.state_dict())
     x, grad_out = inputs(device)
     valid_lens = None if valid_lens is None else valid_lens.to(device)
-    with contextlib.nullcontext() if device == "cuda" else kernels_on_cpu():
+    with contextlib.nullcontext() if device == "cuda" else interpreted_kernels():
         fused = run(block, x, ops.prepare_key_mask(valid_lens, L, backend), grad_out)
     assert type(fused[1]).__name__ == "_EncoderLayerBackward", "the fused node was not used"
     reference = run(plain, x, valid_lens, grad_out)

@@ -3,7 +3,7 @@
 Random-init BertModels at odd sizes (every activation, prefix and non-prefix masks, B = 1) are
 compared with HF's eager attention (and sdpa where the two agree), forward and gradients; the
 real all-MiniLM-L6-v2 checkpoint (tests/minilm.py) on tokenized sentences, also through
-sentence-transformers. The Triton path runs in the interpreter (kernels_on_cpu()).
+sentence-transformers. The Triton path runs in the interpreter (interpreted_kernels()).
 """
 
 import contextlib
@@ -22,10 +22,10 @@ import bert_fast  # noqa: E402
 from bert_fast.backend import available_backends  # noqa: E402
 from bert_fast import cuda_graph, hf  # noqa: E402
 from bert_fast.cuda_graph import CudaGraphFallbackWarning, cuda_graph_stats  # noqa: E402
-from bert_fast.ops._triton import kernels_on_cpu  # noqa: E402
 from bert_fast.ops.embedding_layernorm import embedding_layernorm  # noqa: E402
 from tests import minilm  # noqa: E402
-from tests.helpers import StubSteps, assert_close, max_err, needs_kernels, peak_bytes  # noqa: E402
+from tests.helpers import (StubSteps, assert_close, interpreted_kernels, max_err, needs_kernels,  # noqa: E402
+                           peak_bytes)
 from tests.isolated import call_in_child  # noqa: E402
 
 # A call that silently took HF's forward would compare HF with itself: fail on any fallback
@@ -133,7 +133,7 @@ def test_gradients_of_a_sequence_whose_mask_is_all_zeros(backend, kernels):
     ids, types = inputs(1, 9)
     mask = torch.zeros(1, 9, dtype=torch.long)
     w = torch.randn(1, 9, cfg.hidden_size)
-    with kernels_on_cpu() if kernels else contextlib.nullcontext():     # the Triton kernels, interpreted
+    with interpreted_kernels() if kernels else contextlib.nullcontext():     # the Triton kernels, interpreted
         for model in (ref, fast):
             (model(ids, mask, types).last_hidden_state * w).sum().backward()
     ref_params, fast_params = dict(ref.named_parameters()), dict(fast.named_parameters())
@@ -259,8 +259,11 @@ def test_unsupported_calls_run_hf_with_one_warning():
     assert len(messages) == 2 and "output_attentions" in messages[0] and "inputs_embeds" in messages[1], messages
     with torch.no_grad():
         want = ref(ids, token_type_ids=types, output_attentions=True)
-    assert len(got.attentions) == 2
-    for g, w in zip(got.attentions, want.attentions):
+    if want.attentions is None:     # transformers 5.17's sdpa attention returns no weights (5.24's does)
+        assert got.attentions is None
+    else:
+        assert len(got.attentions) == len(want.attentions) == 2
+    for g, w in zip(got.attentions or (), want.attentions or ()):
         assert_close(g, w, ATOL, what="attentions")
     assert_close(got_embeds, want.last_hidden_state, ATOL, what="inputs_embeds path")
 
@@ -453,7 +456,7 @@ def test_embedding_layernorm_kernel_matches_torch(positions):
     want = embedding_layernorm(*args, positions=pos, padding_idx=0)
     grad = torch.randn_like(want)
     want_grads = torch.autograd.grad((want * grad).sum(), (*tables, weight, bias))
-    with kernels_on_cpu():
+    with interpreted_kernels():
         got = embedding_layernorm(*args, positions=pos, padding_idx=0, backend="triton")
         got_grads = torch.autograd.grad((got * grad).sum(), (*tables, weight, bias))
     assert_close(got, want, 1e-5)
@@ -469,7 +472,7 @@ def test_triton_backend_through_the_kernels():
     ref.train(), fast.train()
     ids, types = inputs(2, 7)
     mask = make_mask("holes", 2, 7)
-    with kernels_on_cpu():
+    with interpreted_kernels():
         got = fast(ids, mask, types).last_hidden_state
         want = ref(ids, mask, types).last_hidden_state
         assert_close(got, want, ATOL)
@@ -724,12 +727,18 @@ def test_config_output_flags_and_broadcast_position_ids():
     ref, fast = hf_pair(config(layers=3))
     ids, types = inputs(2, 6)
     with torch.no_grad():
-        for model in (ref, fast):
-            model.config.output_hidden_states = [0, 2]
-        with pytest.warns(hf.HFFallbackWarning, match="config.output_hidden_states"):
-            got = fast(ids, token_type_ids=types).hidden_states
-        want = ref(ids, token_type_ids=types).hidden_states
-        assert [h is None for h in got] == [h is None for h in want] == [False, True, False, True]
+        try:
+            for model in (ref, fast):
+                model.config.output_hidden_states = [0, 2]
+            takes_a_selection = True
+        except Exception as error:      # transformers 5.17's strict config: a bool only
+            assert "output_hidden_states" in str(error), error
+            takes_a_selection = False
+        if takes_a_selection:
+            with pytest.warns(hf.HFFallbackWarning, match="config.output_hidden_states"):
+                got = fast(ids, token_type_ids=types).hidden_states
+            want = ref(ids, token_type_ids=types).hidden_states
+            assert [h is None for h in got] == [h is None for h in want] == [False, True, False, True]
         for model in (ref, fast):
             model.config.output_hidden_states = False
             model.config.torchscript = True
@@ -844,7 +853,7 @@ def test_fused_layers_through_the_kernels(backend, skip_padding):
     ids, types = inputs(2, 7)
     mask = make_mask("prefix", 2, 7)
     labels = torch.tensor([1, 0])
-    with kernels_on_cpu():
+    with interpreted_kernels():
         got = fast(ids, attention_mask=mask, token_type_ids=types, labels=labels).loss
         assert _layer_nodes(got).count("_EncoderLayerBackward") == fast.config.num_hidden_layers
         got.backward()

@@ -4,7 +4,7 @@ reads outside a table or wraps a negative id.
 - CPU paths (the torch backend on CPU tensors, the triton backend's CPU kernels, the cuda
   backend's C++ CPU op), forward and backward: IndexError naming the tensor, the id and the
   allowed range.
-- The Triton kernels (run here in the interpreter through kernels_on_cpu(), as on a GPU): an
+- The Triton kernels (run here in the interpreter through interpreted_kernels(), as on a GPU): an
   out-of-range id is never dereferenced; that table adds zeros to the row in the forward, and
   the row adds nothing to that table in the backward (atomic and deterministic).
 - Compiled (CPU): the torch backend's lookups and the triton backend's CPU kernel (traced into)
@@ -22,9 +22,9 @@ from torch.nn import functional as F
 
 from bert_fast.backend import available_backends
 from bert_fast.ops import embedding as emb
-from bert_fast.ops._triton import interpreting, kernels_on_cpu
+from bert_fast.ops._triton import interpreting
 from bert_fast.ops.embedding_layernorm import embedding_layernorm
-from tests.helpers import needs_cuda
+from tests.helpers import interpreted_kernels, needs_cuda
 from tests.isolated import call_in_child
 
 N_TOKENS, N_SEGMENTS, MAX_LEN, HIDDEN = 6, 2, 8, 16
@@ -36,7 +36,7 @@ CASES = [(form, kind, value) for form in ("padded", "packed") for kind in TABLE_
          for value in ("negative", "too_large") if not (form == "padded" and kind == "positions")]
 CASE_IDS = [f"{form}-{kind}-{value}" for form, kind, value in CASES]
 BAD_ROW = 3           # the flat index of the bad id
-# kernels_on_cpu() needs the interpreter; on a GPU the GPU test below runs the same kernels.
+# interpreted_kernels() needs the interpreter; on a GPU the GPU test below runs the same kernels.
 needs_interpreter = pytest.mark.skipif(torch.cuda.is_available() or not interpreting(),
                                        reason="Triton's interpreter (TRITON_INTERPRET=1, no GPU)")
 
@@ -110,7 +110,7 @@ def wrapped_row(tokens, segments, positions, tables):
 def embedding_forward(backend, tokens, segments, positions, tables, kernels):
     """embedding_sum's forward (Triton launchers on CPU tensors when ``kernels``)."""
     if kernels:
-        with kernels_on_cpu():
+        with interpreted_kernels():
             return emb.embedding_sum(tokens, segments, *tables, positions=positions, backend=backend,
                                      learn_pos_embedding=True)
     return emb.embedding_sum(tokens, segments, *tables, positions=positions, backend=backend,
@@ -121,7 +121,7 @@ def embedding_forward_backward(backend, tokens, segments, positions, tables, gra
     """(out, [token_grad, segment_grad, pos_grad]) through embedding_sum's autograd."""
     leaves = [t.detach().clone().requires_grad_() for t in tables]
     if kernels:
-        with kernels_on_cpu():
+        with interpreted_kernels():
             out = emb.embedding_sum(tokens, segments, *leaves, positions=positions, backend=backend,
                                     learn_pos_embedding=True, deterministic=deterministic)
             out.backward(grad_out)

@@ -516,7 +516,8 @@ def test_jit_trace_records_the_kernels(backend):
     kernels: on a GPU, else in Triton's interpreter."""
     import contextlib
     import warnings
-    from bert_fast.ops._triton import HAS_TRITON, interpreting, kernels_on_cpu
+    from bert_fast.ops._triton import HAS_TRITON, interpreting
+    from tests.helpers import interpreted_kernels
     if not HAS_TRITON or not (torch.cuda.is_available() or interpreting()):
         pytest.skip("needs the Triton kernels (a GPU, or TRITON_INTERPRET=1)")
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -524,7 +525,7 @@ def test_jit_trace_records_the_kernels(backend):
     encoder = FastBERTEncoder(**encoder_config(num_heads=2, head_dim=8, num_layers=2, vocab_size=50),
                               backend=backend, check_inputs=False).to(device).eval()
     tokens, segments = (t.to(device) for t in random_inputs(2, 6, 50))
-    on_kernels = contextlib.nullcontext() if device == "cuda" else kernels_on_cpu()
+    on_kernels = contextlib.nullcontext() if device == "cuda" else interpreted_kernels()
     with on_kernels, torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         traced = torch.jit.trace(encoder, (tokens, segments, torch.tensor([3.0, 6.0], device=device)),
