@@ -8,10 +8,13 @@ the joint sums of a layer's two add-norm backwards' partial rows, (4 x SMs, 3, 7
 and bias_act's, (programs, 3072): ~10 MB, which the H100 reads in ~4 µs. The single sums of one
 such buffer took 1.5-4 µs on the same GPU (kernels-small, 2026-11-26), before the kernel's sizes
 stopped being specialised (2026-11-26, for equal bits between the joint and the single sums):
-whether that or the joint launch's shape costs the time is what this measures.
+whether that or the joint launch's shape costs the time is what this measures. On an H100
+(2026-11-28, `...T0225-column-sums-tiles.log`) the joint call took 11.9 µs unspecialised and 4.9
+specialised (16-byte loads): since then the kernel picks 16-byte loads per buffer at run time
+(widths that are multiples of 4), unspecialised; not yet timed on a GPU.
 
 Each candidate is BLOCK_R, BLOCK_C, num_warps and whether the sizes are specialised (1: Triton's
-divisibility-by-16 specialisation, as before; 0: as now), the current shape first; a last row
+divisibility-by-16 specialisation; 0: as the op launches it), the current shape first; a last row
 times PyTorch's `sum(0)` of each buffer. GPU time per call from CUDA-graph replays, GB/s on the
 bytes read, and the largest difference from the current shape's sums. A GPU tool for
 scripts/gpu_session.sh's `column-sums-tiles` step; it changes nothing. Without CUDA (Triton's

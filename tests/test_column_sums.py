@@ -39,12 +39,15 @@ def test_column_sums_read_only_their_rows():
 
 
 @pytest.mark.parametrize("shapes", [[(7, 2, 40), (3, 100), (BLOCK_R + 9, 3, 40)], [(1, 5), (2 * BLOCK_R + 1, 33)],
-                                    [(4, 48)]], ids=["three", "two", "one"])
+                                    [(4, 48)], [(BLOCK_R + 3, 2, 40), (5, 33)]],
+                         ids=["three", "two", "one", "widths-by-4-and-not"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_joint_column_sums_are_each_buffers_sums_in_turn(shapes, dtype):
     """The fused layer's backward sums its kernels' partial rows in one launch: buffers of
     different row counts and widths (not multiples of a program's columns, so a program's
-    columns never straddle two buffers), their sums side by side, as column_sums gives each."""
+    columns never straddle two buffers), their sums side by side, as column_sums gives each,
+    bit for bit: also where one buffer's width is a multiple of 4 (16-byte loads on a GPU) and
+    another's is not."""
     partials = [torch.randn(shape, device=DEVICE) for shape in shapes]
     out = joint_column_sums(partials, dtype)
     assert out.dtype == dtype and out.dim() == 1
