@@ -37,9 +37,24 @@ def staging(request, monkeypatch):
     return request.param
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "reads_background: the test reads what a BackgroundProcess "
+                                       "(tests/isolated.py) made; such tests run last")
+
+
+def pytest_collection_modifyitems(config, items):
+    # The tests that wait on a background compile run after the others, so that the compile has
+    # the whole suite's time to run on the second core (an early test would wait minutes for it).
+    items.sort(key=lambda item: item.get_closest_marker("reads_background") is not None)
+
+
 def pytest_collection_finish(session):
-    # The sm_90 compiles of test_fake_gpu_compile.py take minutes of one core each: start them
-    # now, in child processes, so they run beside the rest of the suite.
+    # The sm_90 compiles of test_fake_gpu_compile.py and the nvcc compiles of test_csrc_compile.py
+    # take minutes of one core each: start them now, in child processes, so they run beside the
+    # rest of the suite.
     module = sys.modules.get("tests.test_fake_gpu_compile")
     if module is not None:
         module.start_children(session.items)
+    module = sys.modules.get("tests.test_csrc_compile")
+    if module is not None:
+        module.start_compiles(session.items)

@@ -30,9 +30,12 @@ import functools
 import importlib
 import multiprocessing
 import os
+import pathlib
 import pickle
 import resource
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import traceback
@@ -301,3 +304,39 @@ class ExtOpsInChild:
         if not name.startswith("ext_"):
             raise AttributeError(name)
         return functools.partial(call_in_child, call_ext_op, name)
+
+
+class BackgroundProcess:
+    """A long command (a compile for a GPU: a minute or more of one core) that runs beside the
+    rest of the suite: started once per session, by conftest.py when collection ends (on the
+    2-core CI machine the tests keep one core, this the other), or else by the first test that
+    reads it. It runs at a lower priority (nice 10), so that the tests in the foreground keep
+    their core when several such commands run at once. Its output, and what it writes under
+    ``workdir`` (a directory of its own; ``env(workdir)`` gives the variables it is run with),
+    are removed at exit."""
+
+    def __init__(self, command, env=None, cwd=None):
+        self.command, self.env, self.cwd, self.process = list(command), env, cwd, None
+        self.workdir = pathlib.Path(tempfile.mkdtemp(prefix="bert_fast-background-"))
+        atexit.register(self._clean_up)
+
+    def start(self):
+        if self.process is None:
+            env = self.env(self.workdir) if self.env else None
+            with open(self.workdir / "stdout", "w") as out, open(self.workdir / "stderr", "w") as err:
+                self.process = subprocess.Popen(self.command, cwd=self.cwd, env=env, stdout=out, stderr=err,
+                                                preexec_fn=lambda: os.nice(10))
+        return self
+
+    def stdout(self, timeout=900):
+        """The command's output once it has exited; the test fails with its stderr if it failed."""
+        self.start().process.wait(timeout)
+        out, err = ((self.workdir / name).read_text() for name in ("stdout", "stderr"))
+        assert self.process.returncode == 0, f"{' '.join(self.command)} failed:\n{out[-3000:]}\n{err[-6000:]}"
+        return out
+
+    def _clean_up(self):
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        shutil.rmtree(self.workdir, ignore_errors=True)

@@ -228,7 +228,9 @@ def test_empty_input():
     assert torch.equal(d_weight, torch.zeros(96, device=DEVICE)) and torch.equal(d_bias, d_weight)
 
 
-@pytest.mark.parametrize("dropout_p,affine", [(0.0, "both"), (0.3, "both"), (0.0, "none"), (0.5, "weight")])
+# One case with dropout (55 s of the CI machine each, 2026-11-28): the op's registrations are
+# the same for every affine form.
+@pytest.mark.parametrize("dropout_p,affine", [(0.0, "both"), (0.0, "none"), (0.3, "weight")])
 def test_opcheck(dropout_p, affine):
     x, residual, weight, bias, grad_out = make_inputs((2, 3, 8), torch.float32, affine, "cpu")
     x.requires_grad_()

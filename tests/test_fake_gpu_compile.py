@@ -9,25 +9,22 @@ Triton compiles them for real, for sm_90 (H100), in child processes without TRIT
     (bert_fast.kernel_resources), held to the shared-memory and register-spill limits.
 Each child's compiled kernels land in a Triton cache of its own, where the test finds one cubin
 per kernel it expects, compiled for sm_90. The children start when collection ends
-(conftest.py) and run beside the rest of the suite.
+(conftest.py) and run beside the rest of the suite; the tests that read them run last.
 """
 
-import atexit
 import importlib.util
 import json
 import os
 import pathlib
 import re
-import shutil
-import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
 
 from bert_fast import kernel_resources
 from bert_fast.ops._triton import HAS_TRITON
+from tests.isolated import BackgroundProcess
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -47,46 +44,21 @@ TRAINING_KERNELS = INFERENCE_KERNELS | {
     "_embedding_sum_bwd_pos_kernel", "_embedding_sum_bwd_chunk_kernel", "_embedding_sum_bwd_carry_kernel"}
 
 
-class _Child:
-    """One child process that compiles for sm_90 (a minute or two of CPU), started once per
-    session: by conftest.py when collection ends, so that it runs on the second core beside the
-    rest of the suite, or else by the first test that reads it. Its output and caches live in a
-    directory of its own, removed at exit."""
-
-    def __init__(self, *args):
-        self.args, self.process = args, None
-        self.workdir = pathlib.Path(tempfile.mkdtemp(prefix="bert_fast-sm90-"))
-        atexit.register(self._clean_up)
-
-    def start(self):
-        if self.process is None:
-            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(self.workdir / "inductor"),
-                       TRITON_CACHE_DIR=str(self.workdir / "triton"), PYTHONPATH=str(REPO))
-            env.pop("TRITON_INTERPRET", None)
-            with open(self.workdir / "stdout", "w") as out, open(self.workdir / "stderr", "w") as err:
-                self.process = subprocess.Popen([sys.executable, *self.args], cwd=REPO, env=env, stdout=out,
-                                                stderr=err)
-        return self
-
-    def stdout(self, timeout=900):
-        """The child's output once it has exited; the test fails with its stderr if it failed."""
-        self.start().process.wait(timeout)
-        out, err = ((self.workdir / name).read_text() for name in ("stdout", "stderr"))
-        assert self.process.returncode == 0, f"{' '.join(self.args)} failed:\n{out[-3000:]}\n{err[-6000:]}"
-        return out
-
-    def _clean_up(self):
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-        shutil.rmtree(self.workdir, ignore_errors=True)
+def _compiling_for_sm90(*args):
+    """A child process of this Python that compiles for sm_90, its caches in a directory of its own."""
+    def env(workdir):
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(workdir / "inductor"),
+                   TRITON_CACHE_DIR=str(workdir / "triton"), PYTHONPATH=str(REPO))
+        env.pop("TRITON_INTERPRET", None)
+        return env
+    return BackgroundProcess([sys.executable, *args], env=env, cwd=REPO)
 
 
-CHILDREN = {scenario: _Child("-m", "tests.fake_gpu_compile", scenario)
+CHILDREN = {scenario: _compiling_for_sm90("-m", "tests.fake_gpu_compile", scenario)
             for scenario in ("inference", "hf-inference", "training-ops")}
-CHILDREN["kernel-resources"] = _Child("-m", "bert_fast.kernel_resources", "--arch", "90", "--dtype", "bf16",
-                                      "--dtype", "fp32")
-CHILDREN["kernel-resources"].args += ("--json", str(CHILDREN["kernel-resources"].workdir / "kernels.json"))
+CHILDREN["kernel-resources"] = _compiling_for_sm90("-m", "bert_fast.kernel_resources", "--arch", "90",
+                                                   "--dtype", "bf16", "--dtype", "fp32")
+CHILDREN["kernel-resources"].command += ("--json", str(CHILDREN["kernel-resources"].workdir / "kernels.json"))
 
 
 def _child_of(item):
@@ -127,6 +99,7 @@ SCENARIOS = [("inference", INFERENCE_KERNELS, 12), ("hf-inference", HF_KERNELS, 
              ("training-ops", TRAINING_KERNELS, 2)]
 
 
+@pytest.mark.reads_background
 @pytest.mark.parametrize("scenario, kernels, graphs", SCENARIOS, ids=[s[0] for s in SCENARIOS])
 def test_torch_compile_generates_and_compiles_our_kernels_for_sm90(scenario, kernels, graphs):
     """FastBERTEncoder (every valid_lens form, skip_padding; bf16 and fp32; default mode and
@@ -147,6 +120,7 @@ def test_torch_compile_generates_and_compiles_our_kernels_for_sm90(scenario, ker
     assert not missing, f"no sm_90 cubin for {missing}; compiled: {sorted(compiled)}"
 
 
+@pytest.mark.reads_background
 def test_every_kernel_compiles_for_gpus_within_their_limits():
     """Every launch path of the triton backend, compiled ahead of time for sm_90, bf16 and fp32
     (the two tile tables), head dims 64, 32, 96 and 192: each compiles, fits the shared memory
