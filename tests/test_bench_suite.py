@@ -191,12 +191,13 @@ def test_default_bench_run_is_unchanged():
 
 def test_pytest_matrix_smoke_run(tmp_path):
     """benchmarks/test_gpu_matrix.py on the CPU (demo preset, quick shapes, no compile): every
-    test passes or skips, and its record has the suite's rows with timings and speedups."""
+    test passes or skips, and its record has the suite's rows with timings and speedups. One
+    shape (the training shape's rows come from the same suite code: test_every_method_is_a_row)."""
     root = Path(__file__).resolve().parent.parent
     path = tmp_path / "matrix.json"
     command = [sys.executable, "-m", "pytest", "benchmarks/test_gpu_matrix.py", "-q", "-p", "no:cacheprovider",
                "--matrix-device", "cpu", "--matrix-preset", "demo", "--matrix-dtype", "float32",
-               "--matrix-quick", "--matrix-shapes", "mixed", "train", "--matrix-record", str(path),
+               "--matrix-quick", "--matrix-shapes", "mixed", "--matrix-record", str(path),
                "-k", "not compile"]
     # Not as an xdist worker: pytest-benchmark reads PYTEST_XDIST_WORKER and turns itself off.
     env = {name: value for name, value in os.environ.items() if not name.startswith("PYTEST_XDIST")}
@@ -205,7 +206,8 @@ def test_pytest_matrix_smoke_run(tmp_path):
     assert "bert_fast GPU matrix" in result.stdout and "demo-float32-mixed" in result.stdout
     record = bench_common.load_json(path)
     assert bench_common.is_suite_record(record) and "pytest" in record["command"]
-    for shape in ("mixed", "train"):
+    assert {row["shape"] for row in record["rows"]} == {"mixed"}
+    for shape in ("mixed",):
         rows = rows_of(record, shape)
         assert [row["method"] for row in rows] == [
             name for name in expected_methods(shape) if "compile" not in name]
