@@ -51,7 +51,10 @@ def pytest_collection_modifyitems(config, items):
 def pytest_collection_finish(session):
     # The sm_90 compiles of test_fake_gpu_compile.py and the nvcc compiles of test_csrc_compile.py
     # take minutes of one core each: start them now, in child processes, so they run beside the
-    # rest of the suite.
+    # rest of the suite. Not in a pytest-xdist worker: every worker collects every test, and
+    # each would start them all; there the test that reads one starts it.
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     module = sys.modules.get("tests.test_fake_gpu_compile")
     if module is not None:
         module.start_children(session.items)
