@@ -173,6 +173,7 @@ needs_kernels = pytest.mark.skipif(not (HAS_TRITON and (torch.cuda.is_available(
                                    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (set by conftest.py "
                                           "when there is no CUDA)")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+BF16_OK = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
 
 
 @contextlib.contextmanager
@@ -186,7 +187,6 @@ def interpreted_kernels():
                     "there is no CUDA)")
     with kernels_on_cpu():
         yield
-BF16_OK = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
 
 
 def seed_tensor(value, device=DEVICE):

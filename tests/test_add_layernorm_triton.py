@@ -9,7 +9,7 @@ from bert_fast.ops.add_layernorm import (MAX_HIDDEN, _add_layernorm_bwd_triton, 
                                          _layernorm_blocks, _layernorm_bwd_blocks, add_layernorm, add_layernorm_bwd,
                                          add_layernorm_fwd)
 from tests.helpers import (assert_close, assert_same_computation, assert_within_rule, BF16_OK, DEVICE, seed_tensor,
-                           max_err, needs_cuda, needs_kernels)
+                           interpreted_kernels, max_err, needs_cuda, needs_kernels)
 
 
 
@@ -250,7 +250,6 @@ def test_opcheck_of_the_triton_launcher(dropout_p):
     of one reduction): its outputs must not alias (opcheck's schema test; torch.library raises
     otherwise). Its fake-tensor tests are the CPU kernel's (test_opcheck): the interpreter
     cannot run on fake tensors."""
-    from tests.helpers import interpreted_kernels
     x, residual, weight, bias, grad_out = make_inputs((2, 3, 8), torch.float32, "both", "cpu")
     seed = seed_tensor(7, "cpu") if dropout_p else None
     with interpreted_kernels():

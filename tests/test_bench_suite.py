@@ -207,19 +207,18 @@ def test_pytest_matrix_smoke_run(tmp_path):
     record = bench_common.load_json(path)
     assert bench_common.is_suite_record(record) and "pytest" in record["command"]
     assert {row["shape"] for row in record["rows"]} == {"mixed"}
-    for shape in ("mixed",):
-        rows = rows_of(record, shape)
-        assert [row["method"] for row in rows] == [
-            name for name in expected_methods(shape) if "compile" not in name]
-        for row in rows:
-            if "cuda_graphs" in row["method"] or "graphed" in row["method"]:          # CUDA only
-                assert "CUDA only" in row["skipped"], row
-                continue
-            assert row["skipped"] is None, row
-            assert row["median_ms"] > 0 and row["speedup_vs_eager"] > 0 and math.isfinite(row["error"])
-            assert row["best_peer"] is not None
-            if row["ours"]:
-                assert row["error"] <= FP32_TOLERANCE, row
+    rows = rows_of(record, "mixed")
+    assert [row["method"] for row in rows] == [
+        name for name in expected_methods("mixed") if "compile" not in name]
+    for row in rows:
+        if "cuda_graphs" in row["method"] or "graphed" in row["method"]:          # CUDA only
+            assert "CUDA only" in row["skipped"], row
+            continue
+        assert row["skipped"] is None, row
+        assert row["median_ms"] > 0 and row["speedup_vs_eager"] > 0 and math.isfinite(row["error"])
+        assert row["best_peer"] is not None
+        if row["ours"]:
+            assert row["error"] <= FP32_TOLERANCE, row
 
 
 MAIN_JOB_RECORD = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "cpu-2core-2026-11-21.json"

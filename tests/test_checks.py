@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from bert_fast import FastBERTEncoder, FastEncoderBlock, FastMultiHeadAttention, extension
-from tests.helpers import encoder_config, encoder_pair, random_inputs
+from tests.helpers import encoder_config, encoder_pair, interpreted_kernels, random_inputs
 
 B, L = 2, 7
 
@@ -233,7 +233,6 @@ def test_value_check_of_host_and_device_inputs_agree(tokens, segments, valid_len
     tensors standing for CUDA ones (kernels_on_cpu). Both accept and reject the same inputs with
     the same message."""
     from bert_fast.checks import _check_values
-    from tests.helpers import interpreted_kernels
 
     def outcome(*inputs):
         try:

@@ -322,8 +322,7 @@ def test_launches_on_a_tensor_of_another_device_make_that_device_current(monkeyp
     current: every launch of a forward and backward (triton and cuda backends) must switch, and
     give the results of the unswitched run."""
     from bert_fast.ops import _triton
-    from tests.helpers import interpreted_kernels
-    from tests.helpers import encoder_config, encoder_pair, random_inputs
+    from tests.helpers import encoder_config, encoder_pair, interpreted_kernels, random_inputs
 
     asked, switched = [], []
 

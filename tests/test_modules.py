@@ -9,7 +9,7 @@ from bert_fast import FastBERTEncoder, FastBERTModel, FastEncoderBlock, optimize
 from bert_fast import reference as R
 from bert_fast.backend import available_backends
 from tests.helpers import (FLOOR, assert_close, compare_forward_backward, compare_under_autocast, encoder_config,
-                           encoder_pair, max_err, random_inputs)
+                           encoder_pair, interpreted_kernels, max_err, random_inputs)
 
 B, L = 3, 13   # L not a multiple of 16
 
@@ -517,7 +517,6 @@ def test_jit_trace_records_the_kernels(backend):
     import contextlib
     import warnings
     from bert_fast.ops._triton import HAS_TRITON, interpreting
-    from tests.helpers import interpreted_kernels
     if not HAS_TRITON or not (torch.cuda.is_available() or interpreting()):
         pytest.skip("needs the Triton kernels (a GPU, or TRITON_INTERPRET=1)")
     device = "cuda" if torch.cuda.is_available() else "cpu"
