@@ -772,12 +772,14 @@ def _register_output_capture(model):
     """transformers 5 finds what output_attentions/output_hidden_states record (hooks on
     BertSelfAttention, BertLayer) in a registry keyed by the model's class name, filled when a
     model is constructed: add FastBertModel's entry, or HF's forward (our fallback) would
-    return attentions=None."""
+    return attentions=None. The key is str() of the model's class on every transformers 5 (a
+    plain dict on 5.17, a dict whose item assignment takes the model on 5.24): dict's own
+    assignment with that key suits both."""
     try:
         from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
     except ImportError:      # transformers 4: outputs are collected by the forward itself
         return
-    _CAN_RECORD_REGISTRY[model] = model._can_record_outputs
+    dict.__setitem__(_CAN_RECORD_REGISTRY, str(model.__class__), model._can_record_outputs)
 
 
 def restore(model):
