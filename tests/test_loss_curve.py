@@ -9,7 +9,7 @@ training may amplify but must not turn into a different curve.
 On a GPU the same at BERT-base under bf16 autocast (the suite's train batch, B32 L128), where
 rounding is no longer small: the fast path's curve must stay as close to the fp32 reference's
 as the reference's own under the same autocast (STYLE.md's rule: at most twice its distance,
-plus bf16's floor).
+plus bf16's floor), over the steps before the curves leave their plateau (AUTOCAST_STEPS).
 """
 
 import copy
@@ -33,13 +33,13 @@ CONFIG = dict(vocab_size=VOCAB, num_hiddens=H, norm_shape=[H], ffn_num_input=H, 
 TOLERANCE = 1e-4
 
 
-def loss_curve(model, batches, lr=2e-3, autocast=None):
-    """Losses of STEPS AdamW steps; ``autocast``: the forward under torch.autocast in that dtype."""
+def loss_curve(model, batches, lr=2e-3, autocast=None, steps=STEPS):
+    """Losses of ``steps`` AdamW steps; ``autocast``: the forward under torch.autocast in that dtype."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     model.train()
     device_type = next(model.parameters()).device.type
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(device_type, dtype=autocast, enabled=autocast is not None):
             loss = pretraining_loss(model, *batches[step % len(batches)])[0]
@@ -70,7 +70,20 @@ def test_fast_training_tracks_the_reference_loss_curve(reference_run, backend):
                                     f"{expected[gap.argmax()]:.6f} (max gap {gap.max():.2e} > {TOLERANCE})")
 
 
-def autocast_against_fp32_curves(preset, shape, device):
+# The GPU test trains 100 steps. Every BERT-base curve falls from 11.2 to a plateau near 8.2 and
+# leaves it later, at a step that rounding alone moves by tens of steps. On an H200 (2026-11-28,
+# benchmarks/results/*T0610-loss-curves.log) the fp32 and bf16 references left it near steps
+# 115-140, and four runs of optimize() near steps 130-190 (one of them with the column sums
+# kernel before 7b1da0a; the runs are not bitwise repeatable: the token table's gradient adds
+# with atomics, as index_add_ does on CUDA), ending at losses from 0.52 to 7.79 against the fp32
+# run's 1.18. Up to step 110 every curve was within 0.06 of the fp32 one. Over 200 steps the
+# distance measures when the exit came, not the rounding: that form of this test failed there
+# (optimize() 0.99, the bf16 reference 0.29; the reference's own distance was 0.14 in another
+# process), after three passes on H100s. scripts/loss_curves.py prints such curves.
+AUTOCAST_STEPS = 100
+
+
+def autocast_against_fp32_curves(preset, shape, device, steps=AUTOCAST_STEPS):
     """(fp32 reference, reference under bf16 autocast, optimize() under bf16 autocast) loss curves
     of one preset from the same fp32 weights on the same 4 batches, dropout 0, AdamW at the
     suite's learning rate. Autocast, not bf16 weights: with bf16 weights AdamW's small updates
@@ -83,15 +96,17 @@ def autocast_against_fp32_curves(preset, shape, device):
 
     def curve(fast, autocast):
         model = copy.deepcopy(initial)
-        return loss_curve(bert_fast.optimize(model) if fast else model, batches, lr=1e-4, autocast=autocast)
+        return loss_curve(bert_fast.optimize(model) if fast else model, batches, lr=1e-4, autocast=autocast,
+                          steps=steps)
     return curve(False, None), curve(False, torch.bfloat16), curve(True, torch.bfloat16)
 
 
 @pytest.mark.skipif(not BF16_OK, reason="needs a CUDA GPU with bf16 (compute capability 8.0 or later)")
 def test_gpu_bert_base_under_autocast_tracks_the_fp32_curve_as_the_reference_does():
     truth, eager, fast = autocast_against_fp32_curves("base", SHAPES["train"], "cuda")
-    assert truth[-20:].mean() < 0.8 * truth[:20].mean(), "the fp32 reference did not learn: no curve to track"
+    assert truth[-10:].mean() < 0.8 * truth[:10].mean(), "the fp32 reference did not learn: no curve to track"
     eager_gap, fast_gap = (eager - truth).abs().mean(), (fast - truth).abs().mean()
     assert fast_gap <= 2 * eager_gap + FLOOR[torch.bfloat16], (
-        f"mean distance from the fp32 curve under bf16 autocast: optimize() {fast_gap:.4f}, the reference "
-        f"{eager_gap:.4f} (final losses {fast[-1]:.4f}, {eager[-1]:.4f}, fp32 {truth[-1]:.4f})")
+        f"mean distance from the fp32 curve under bf16 autocast over the first {AUTOCAST_STEPS} steps: "
+        f"optimize() {fast_gap:.4f}, the reference {eager_gap:.4f} (last losses {fast[-1]:.4f}, {eager[-1]:.4f}, "
+        f"fp32 {truth[-1]:.4f})")
