@@ -156,9 +156,9 @@ for step in "$@"; do
         # Every test, the GPU-only ones included, in parallel where pytest-xdist is installed
         # (GPU_TEST_WORKERS, default 12: 216 s to the end on an H200, 2026-11-28; the 2026-11-23
         # H100 run's 15 workers mostly waited on Triton compiles and crashed workers, both fixed
-        # since). Calls that can crash run in a
-        # child process (tests/isolated.py), so a crash fails one test, not a worker. One Triton
-        # cache for all workers and the later steps. The junit XML keeps every test's time.
+        # since). Calls that can crash run in a child process (tests/isolated.py), so a crash
+        # fails one test, not a worker. One Triton cache for all workers and the later steps. The
+        # junit XML keeps every test's time.
         parallel=()
         python -c "import xdist" 2>/dev/null && parallel=(-n "${GPU_TEST_WORKERS:-12}")
         run tests python -m pytest -q -p no:cacheprovider "${parallel[@]}" --durations=30 \
