@@ -51,6 +51,8 @@ def main(argv=None):
                         help="repeatable (default: all)")
     parser.add_argument("--heads", action="append", metavar="HEADSxDIM",
                         help="a head configuration, e.g. 12x64; repeatable (default: kernel_resources' four)")
+    parser.add_argument("--seqlen", type=int, default=24,
+                        help="sequence length (default 24: under one tile of 32, the masked tails)")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     heads = [tuple(map(int, text.split("x"))) for text in args.heads] if args.heads else kernel_resources.HEAD_CONFIGS
@@ -59,7 +61,8 @@ def main(argv=None):
         for dtype in args.dtype or kernel_resources.DTYPES:
             for num_heads, head_dim in heads:
                 start = time.perf_counter()
-                kernel_resources.run_workload(kernel_resources.DTYPES[dtype], num_heads, head_dim, device=device)
+                kernel_resources.run_workload(kernel_resources.DTYPES[dtype], num_heads, head_dim, seqlen=args.seqlen,
+                                               device=device)
                 if device == "cuda":
                     torch.cuda.synchronize()
                 print(f"{dtype} {num_heads}x{head_dim} on {device}: {time.perf_counter() - start:.1f} s", flush=True)

@@ -72,6 +72,48 @@ def test_fullgraph_compile_with_dropout_through_the_triton_ops():
     assert fast.blks[0].attention.W_q.weight.grad is not None
 
 
+def test_compiled_cpu_dropout_draws_each_mask_in_one_op():
+    """On the CPU the triton backend's twins draw the kernels' dropout masks with int64 tensor
+    arithmetic (_philox.py, ~360 ops a draw). Traced, a draw must be one bert_fast::philox_words
+    node: inlined, a one-layer training graph held 1140 nodes and took Inductor 75 s of the CI
+    machine's CPU. The compiled masks are eager's (same seed, same values)."""
+    from torch._dynamo.backends.common import aot_autograd
+    torch._dynamo.reset()
+    _, fast = encoder_pair(encoder_config(num_layers=1, dropout=0.3), backend="triton")
+    fast.train()
+    tokens, segments = random_inputs(3, 9, 50)
+    valid_lens = torch.tensor([3, 0, 9])
+    targets = []
+
+    def keep_graph(gm, example_inputs):
+        targets.append([str(node.target) for node in gm.graph.nodes if node.op == "call_function"])
+        return gm
+    compiled = torch.compile(fast, fullgraph=True, backend=aot_autograd(fw_compiler=keep_graph, bw_compiler=keep_graph))
+    outputs = []
+    for model in (fast, compiled):
+        torch.manual_seed(0)
+        outputs.append(model(tokens, segments, valid_lens))
+        outputs[-1].sum().backward()
+    assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5, what="compiled vs eager, one dropout mask")
+    forward, backward = targets
+    # Three draws a pass: the attention weights' and the two add-norms'.
+    assert forward.count("bert_fast.philox_words.default") == 3, forward
+    assert backward.count("bert_fast.philox_words.default") == 3, backward
+    # Philox's rounds xor and shift left; nothing else in the layer does.
+    inlined = [t for t in forward + backward if "bitwise_xor" in t or "left_shift" in t]
+    assert not inlined, f"Philox's arithmetic inlined: {len(inlined)} of its ops"
+
+
+def test_philox_words_op_passes_opcheck():
+    from bert_fast.ops import _philox
+    bert_fast.register_ops()
+    seed = torch.tensor([2**40 + 7])
+    counters = torch.arange(24, dtype=torch.int64).view(4, 6)
+    torch.library.opcheck(torch.ops.bert_fast.philox_words, (seed, counters.t(), torch.arange(6).view(6, 1)))
+    words = torch.ops.bert_fast.philox_words(seed, counters, torch.tensor(3))
+    assert all(torch.equal(a, b) for a, b in zip(words, _philox._philox_words(seed, counters, torch.tensor(3))))
+
+
 # The registered ops each backend's encoder must show torch.compile (the eager thin path's
 # autograd.Functions must not be what it traces).
 REGISTERED_OPS = {

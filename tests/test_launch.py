@@ -305,9 +305,11 @@ def test_gpu_kept_kernel_launches_match_tritons_launcher(dtype, monkeypatch):
 def test_sanitizer_workload_launches_every_kernel(capsys):
     """scripts/sanitize_kernels.py, what `gpu_session.sh sanitize` runs under compute-sanitizer:
     kernel_resources' workload launched for real (here through the interpreter, on a GPU on CUDA
-    tensors) reaches every Triton kernel in the op files, else it exits 1 naming the others."""
+    tensors) reaches every Triton kernel in the op files, else it exits 1 naming the others.
+    L 12 (tiles of 16, the tail masked): 27 s of the CI machine, against 44 at the GPU's 24
+    (tiles of 32); at L 8 the embedding backward's carry kernel is never launched."""
     from scripts import sanitize_kernels
-    assert sanitize_kernels.main(["--dtype", "fp32", "--heads", "2x32"]) == 0
+    assert sanitize_kernels.main(["--dtype", "fp32", "--heads", "2x32", "--seqlen", "12"]) == 0
     out = capsys.readouterr().out
     assert f"of {len(kernel_resources.defined_kernels())} kernels" in out, out
 
