@@ -6,8 +6,7 @@ machine. sm_90 down to machine code (ptxas); sm_80 to PTX, its own ``__CUDA_ARCH
 through the front end without a second ptxas run (add_layernorm.cu: 133 s of one core with
 both down to machine code, 85 s so; the GPU machines build sm_90 for real). The PyTorch glue
 of the CUDA ops (cuda_ops.cpp) is syntax-checked against the torch headers, which a CPU build
-of PyTorch ships too. Skipped, with the reason,
-where nvcc or the CUDA headers are absent.
+of PyTorch ships too. Skipped, with the reason, where nvcc or the CUDA headers are absent.
 """
 
 import os
