@@ -1,17 +1,26 @@
 import os
 import sys
 
-import pytest
-import torch
-
-# Under pytest-xdist every worker would run PyTorch's CPU ops on one thread per core: on the
-# GPU machine (16 cores, 8 workers) that is 128 threads, and test_ext_cuda.py's embedding
-# backward cases, whose CPU references work on (1000, H) tables, took 3-4 s each there
-# (H200, 2026-11-26) against ~0.1 s on a 2-core machine, likely that oversubscription (not
-# re-timed yet). The workers share the cores instead.
+# PyTorch's CPU ops get the cores the rest of the run leaves them. Under pytest-xdist every
+# worker would otherwise run one thread per core: on the GPU machine (16 cores, 8 workers) that
+# is 128 threads, and test_ext_cuda.py's embedding backward cases, whose CPU references work on
+# (1000, H) tables, took 3-4 s each there (H200, 2026-11-26) against ~0.1 s on a 2-core machine,
+# likely that oversubscription (not re-timed yet). Without xdist, the compiles of
+# test_fake_gpu_compile.py and test_csrc_compile.py keep one core busy for most of the run
+# (conftest's pytest_collection_finish): the tests get the others. On the 2-core CI machine that
+# is one thread, which also runs these small shapes faster than two: test_encoder_layer.py took
+# 76 s with one thread beside a busy core, 86 s with two, 82 s with two and the core free
+# (2026-11-28). OMP_NUM_THREADS carries the choice to the tests' child processes; a value the
+# user set is kept.
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if _workers > 1:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+_cores = os.cpu_count() or 1
+_threads = max(1, _cores // _workers) if _workers > 1 else max(1, _cores - 1)
+os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(autouse=True)
