@@ -58,7 +58,7 @@ def _nvcc(source):
 COMPILES = {source.name: _nvcc(source) for source in CUDA_SOURCES}
 
 
-def start_compiles(items):
+def start_background(items):
     """From conftest.py when collection ends: start the compiles the selected tests will read."""
     if NVCC is None:
         return

@@ -73,7 +73,7 @@ def _children_of(item):
     return []
 
 
-def start_children(items):
+def start_background(items):
     """From conftest.py when collection ends: start the children the selected tests will read."""
     if not HAS_TRITON or torch.cuda.is_available():
         return
