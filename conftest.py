@@ -15,11 +15,12 @@ import tempfile
 # (1000, H) tables, took 3-4 s each there (H200, 2026-11-26) against ~0.1 s on a 2-core machine,
 # likely that oversubscription (not re-timed yet). Without xdist, the background commands that
 # tests/conftest.py starts when collection ends (compiles for sm_90, nvcc, the sanitizer's
-# workload; ~850 s of CPU, 2026-11-28) keep one core busy for most of the run: the tests get
-# the others. On the 2-core CI machine that is one thread, which also runs these small shapes
-# faster than two: test_encoder_layer.py took 76 s with one thread beside a busy core, 86 s
-# with two, 82 s with two and the core free (2026-11-28). OMP_NUM_THREADS carries the choice
-# to the tests' child processes; a value the user set is kept.
+# workload, a few Inductor compiles and subprocess runs; ~730 s of CPU, 2026-11-28) keep one
+# core busy for most of the run: the tests get the others. On the 2-core CI machine that is
+# one thread, which also runs these small shapes faster than two: test_encoder_layer.py took
+# 76 s with one thread beside a busy core, 86 s with two, 82 s with two and the core free
+# (2026-11-28). OMP_NUM_THREADS carries the choice to the tests' child processes; a value the
+# user set is kept.
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 _cores = os.cpu_count() or 1
 _threads = max(1, _cores // _workers) if _workers > 1 else max(1, _cores - 1)

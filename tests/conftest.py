@@ -1,5 +1,4 @@
 import os
-import sys
 
 import pytest
 import torch
@@ -40,14 +39,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    # The sm_90 compiles of test_fake_gpu_compile.py, the nvcc compiles of test_csrc_compile.py
-    # and test_launch.py's sanitizer workload take a minute or more of one core each: start them
-    # now, in child processes, so they run beside the rest of the suite. Not in a pytest-xdist
-    # worker: every worker collects every test, and each would start them all; there the test
-    # that reads one starts it.
+    # The test modules' long child processes (BackgroundProcess: the sm_90 compiles of
+    # test_fake_gpu_compile.py, the nvcc compiles of test_csrc_compile.py, the sanitizer's
+    # workload, ...) start now, from each module's start_background(items), so they run beside
+    # the rest of the suite. Not in a pytest-xdist worker: every worker collects every test, and
+    # each would start them all; there the test that reads one starts it.
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    for name in ("tests.test_fake_gpu_compile", "tests.test_csrc_compile", "tests.test_launch"):
-        module = sys.modules.get(name)
-        if module is not None:
+    modules = {getattr(item, "module", None) for item in session.items}
+    for module in sorted(filter(None, modules), key=lambda m: m.__name__):
+        if hasattr(module, "start_background"):
             module.start_background(session.items)

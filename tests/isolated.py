@@ -28,6 +28,7 @@ import atexit
 import faulthandler
 import functools
 import importlib
+import json
 import multiprocessing
 import os
 import pathlib
@@ -340,3 +341,21 @@ class BackgroundProcess:
             self.process.kill()
             self.process.wait()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+class BackgroundCall(BackgroundProcess):
+    """``fn(*args)`` in a BackgroundProcess of its own (``python -m tests.isolated``): ``fn`` a
+    module-level function of an importable module, its arguments and its result JSON values.
+    ``result()`` waits for it; a crash or an exception fails the test with the child's stderr."""
+
+    def __init__(self, fn, *args):
+        super().__init__([sys.executable, "-m", "tests.isolated", f"{fn.__module__}:{fn.__name__}",
+                          json.dumps(args)], cwd=pathlib.Path(__file__).resolve().parent.parent)
+
+    def result(self):
+        return json.loads(self.stdout().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    _module, _name = sys.argv[1].split(":")
+    print(json.dumps(getattr(importlib.import_module(_module), _name)(*json.loads(sys.argv[2]))))

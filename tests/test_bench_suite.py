@@ -5,7 +5,6 @@ exact methods match the fp32 reference, and --table-from / --plot-from read the 
 import datetime
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 import bert_fast
 from bert_fast import bench, bench_common, bench_suite
 from bert_fast.reference import BERTModel
+from tests.isolated import BackgroundProcess
 
 FP32_TOLERANCE = 1e-4       # STYLE.md's floor for fp32
 CPU = torch.device("cpu")
@@ -189,22 +189,33 @@ def test_default_bench_run_is_unchanged():
     assert not bench.suite_requested([]) and bench.suite_requested(["--suite", "gpu"])
 
 
-def test_pytest_matrix_smoke_run(tmp_path):
+def _matrix_env(workdir):
+    # Not as an xdist worker: pytest-benchmark reads PYTEST_XDIST_WORKER and turns itself off.
+    return {name: value for name, value in os.environ.items() if not name.startswith("PYTEST_XDIST")}
+
+
+# ~20 s of one core (2026-11-28): beside the suite (started by conftest.py when collection ends).
+MATRIX_SMOKE_RUN = BackgroundProcess(
+    [sys.executable, "-m", "pytest", "benchmarks/test_gpu_matrix.py", "-q", "-p", "no:cacheprovider",
+     "--matrix-device", "cpu", "--matrix-preset", "demo", "--matrix-dtype", "float32", "--matrix-quick",
+     "--matrix-shapes", "mixed", "-k", "not compile"], env=_matrix_env, cwd=Path(__file__).resolve().parent.parent)
+MATRIX_SMOKE_RUN.command += ["--matrix-record", str(MATRIX_SMOKE_RUN.workdir / "matrix.json")]
+
+
+def start_background(items):
+    """From conftest.py when collection ends."""
+    if any(getattr(item, "originalname", None) == "test_pytest_matrix_smoke_run" for item in items):
+        MATRIX_SMOKE_RUN.start()
+
+
+@pytest.mark.reads_background
+def test_pytest_matrix_smoke_run():
     """benchmarks/test_gpu_matrix.py on the CPU (demo preset, quick shapes, no compile): every
     test passes or skips, and its record has the suite's rows with timings and speedups. One
     shape (the training shape's rows come from the same suite code: test_every_method_is_a_row)."""
-    root = Path(__file__).resolve().parent.parent
-    path = tmp_path / "matrix.json"
-    command = [sys.executable, "-m", "pytest", "benchmarks/test_gpu_matrix.py", "-q", "-p", "no:cacheprovider",
-               "--matrix-device", "cpu", "--matrix-preset", "demo", "--matrix-dtype", "float32",
-               "--matrix-quick", "--matrix-shapes", "mixed", "--matrix-record", str(path),
-               "-k", "not compile"]
-    # Not as an xdist worker: pytest-benchmark reads PYTEST_XDIST_WORKER and turns itself off.
-    env = {name: value for name, value in os.environ.items() if not name.startswith("PYTEST_XDIST")}
-    result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "bert_fast GPU matrix" in result.stdout and "demo-float32-mixed" in result.stdout
-    record = bench_common.load_json(path)
+    out = MATRIX_SMOKE_RUN.stdout()         # fails with its output unless pytest exited 0
+    assert "bert_fast GPU matrix" in out and "demo-float32-mixed" in out
+    record = bench_common.load_json(MATRIX_SMOKE_RUN.workdir / "matrix.json")
     assert bench_common.is_suite_record(record) and "pytest" in record["command"]
     assert {row["shape"] for row in record["rows"]} == {"mixed"}
     rows = rows_of(record, "mixed")

@@ -56,7 +56,7 @@ def _compiling_for_sm90(*args):
 
 CHILDREN = {scenario: _compiling_for_sm90("-m", "tests.fake_gpu_compile", scenario)
             for scenario in ("inference", "hf-inference", "training-ops")}
-# One child a tile table (~200 s of one core each on the CI machine): at the suite's end, where
+# One child a tile table (150-175 s of one core each on the CI machine): at the suite's end, where
 # one child with both was the last thing running, they keep both cores busy.
 KERNEL_RESOURCES = [_compiling_for_sm90("-m", "bert_fast.kernel_resources", "--arch", "90", "--dtype", dtype)
                     for dtype in ("bf16", "fp32")]
