@@ -42,12 +42,18 @@ def test_method_names_are_the_rows_of_each_shape():
         assert bench_suite.method_names(shape, backends) == expected_methods(name)
 
 
+ROOT = Path(__file__).resolve().parent.parent
+# The suite's CPU smoke run, as a user runs it (~28 s of one core, 2026-11-28): beside the rest
+# of the suite (started by conftest.py when collection ends; the tests that read it run last).
+SUITE_RUN = BackgroundProcess([sys.executable, "-m", "bert_fast.bench", "--suite", "gpu", "--device", "cpu",
+                               "--preset", "demo", "--quick", "--dtype", "float32", "--rounds", "1"], cwd=ROOT)
+SUITE_RUN.command += ["--json", str(SUITE_RUN.workdir / "record.json")]
+
+
 @pytest.fixture(scope="module")
-def record_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("suite") / "record.json"
-    bench.main(["--suite", "gpu", "--device", "cpu", "--preset", "demo", "--quick",
-                "--dtype", "float32", "--rounds", "1", "--json", str(path)])
-    return path
+def record_path():
+    SUITE_RUN.stdout()          # fails with its output unless it exited 0
+    return SUITE_RUN.workdir / "record.json"
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +65,7 @@ def rows_of(record, shape):
     return [row for row in record["rows"] if row["shape"] == shape]
 
 
+@pytest.mark.reads_background
 def test_record_describes_the_run(record):
     assert bench_common.is_suite_record(record)
     assert record["environment"]["device"] == "cpu" and record["environment"]["torch"] == torch.__version__
@@ -74,6 +81,7 @@ def test_record_describes_the_run(record):
     assert "**Incomplete run**" in bench_common.suite_record_markdown(cut_short)
 
 
+@pytest.mark.reads_background
 @pytest.mark.parametrize("shape", list(bench_suite.SHAPES))
 def test_every_method_is_a_row(record, shape):
     rows = rows_of(record, shape)
@@ -96,6 +104,7 @@ def test_every_method_is_a_row(record, shape):
         assert "not asked" in skipped["optimize_compile_reduce_overhead"]
 
 
+@pytest.mark.reads_background
 @pytest.mark.parametrize("shape", list(bench_suite.SHAPES))
 def test_figures_are_finite(record, shape):
     rows = rows_of(record, shape)
@@ -113,6 +122,7 @@ def test_figures_are_finite(record, shape):
     assert eager["speedup_vs_eager"] == pytest.approx(1.0)
 
 
+@pytest.mark.reads_background
 @pytest.mark.parametrize("shape", list(bench_suite.SHAPES))
 def test_exact_methods_match_the_fp32_reference(record, shape):
     for row in rows_of(record, shape):
@@ -120,6 +130,7 @@ def test_exact_methods_match_the_fp32_reference(record, shape):
             assert row["error"] <= FP32_TOLERANCE, (row["method"], row["error"])
 
 
+@pytest.mark.reads_background
 def test_table_from_prints_every_group(record_path, record, capsys):
     bench.main(["--table-from", str(record_path)])
     table = capsys.readouterr().out
@@ -132,6 +143,7 @@ def test_table_from_prints_every_group(record_path, record, capsys):
     assert "skipped: CUDA only" in table
 
 
+@pytest.mark.reads_background
 def test_plot_from_draws_a_suite_record(record_path, tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "suite.png"
@@ -203,7 +215,9 @@ MATRIX_SMOKE_RUN.command += ["--matrix-record", str(MATRIX_SMOKE_RUN.workdir / "
 
 
 def start_background(items):
-    """From conftest.py when collection ends."""
+    """From conftest.py when collection ends: the runs the selected tests will read."""
+    if any("record_path" in getattr(item, "fixturenames", ()) for item in items):
+        SUITE_RUN.start()
     if any(getattr(item, "originalname", None) == "test_pytest_matrix_smoke_run" for item in items):
         MATRIX_SMOKE_RUN.start()
 
@@ -244,6 +258,7 @@ def test_table_from_prints_a_main_job_record(capsys):
         assert f"| {row['method']} | {row['seq']} | {row['median_ms']:.1f} |" in table
 
 
+@pytest.mark.reads_background
 def test_readme_gets_the_tables_between_its_markers(tmp_path, record_path):
     readme = tmp_path / "README.md"
     readme.write_text(f"# title\n\nbefore\n{bench_common.README_BEGIN}\nold table\n{bench_common.README_END}\nafter\n")
@@ -270,7 +285,6 @@ def test_table_from_says_what_is_wrong(tmp_path):
         bench.parse_args(["--readme", str(readme)])      # --readme needs --table-from
 
 
-ROOT = Path(__file__).resolve().parent.parent
 H100_RECORDS = [ROOT / "benchmarks" / "results" / f"nvidia-h100-80gb-hbm3-2026-11-23-{part}-bf16.json"
                 for part in ("base", "train-latency")]
 
