@@ -63,7 +63,8 @@ def compiled_bad_ids(backend, fullgraph):
 
 COMPILED_BACKENDS = [b for b in ("torch", "triton") if b in BACKENDS]
 # An Inductor compile each, 10-25 s of one core (2026-11-28): beside the suite (started by
-# conftest.py when collection ends), in processes of their own (the abort this once was kills only them).
+# conftest.py when collection ends), each in a process of its own, which an abort (as Inductor's
+# bounds check once gave) fails alone.
 BAD_IDS_COMPILES = {backend: BackgroundCall(compiled_bad_ids, backend, True) for backend in COMPILED_BACKENDS}
 
 
