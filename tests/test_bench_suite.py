@@ -210,7 +210,7 @@ def _matrix_env(workdir):
 MATRIX_SMOKE_RUN = BackgroundProcess(
     [sys.executable, "-m", "pytest", "benchmarks/test_gpu_matrix.py", "-q", "-p", "no:cacheprovider",
      "--matrix-device", "cpu", "--matrix-preset", "demo", "--matrix-dtype", "float32", "--matrix-quick",
-     "--matrix-shapes", "mixed", "-k", "not compile"], env=_matrix_env, cwd=Path(__file__).resolve().parent.parent)
+     "--matrix-shapes", "mixed", "-k", "not compile"], env=_matrix_env, cwd=ROOT)
 MATRIX_SMOKE_RUN.command += ["--matrix-record", str(MATRIX_SMOKE_RUN.workdir / "matrix.json")]
 
 
@@ -246,7 +246,7 @@ def test_pytest_matrix_smoke_run():
             assert row["error"] <= FP32_TOLERANCE, row
 
 
-MAIN_JOB_RECORD = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "cpu-2core-2026-11-21.json"
+MAIN_JOB_RECORD = ROOT / "benchmarks" / "results" / "cpu-2core-2026-11-21.json"
 
 
 def test_table_from_prints_a_main_job_record(capsys):
