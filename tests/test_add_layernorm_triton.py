@@ -218,6 +218,22 @@ def test_dropout_of_everything_leaves_layernorm_of_residual():
     assert_close(out, F.layer_norm(residual, (96,), weight, bias), atol=1e-5)
 
 
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "cuda"])
+def test_rows_whose_variance_overflows_fp32_give_what_pytorch_gives(backend):
+    """Values near 1e20 square past fp32's range: the variance is inf, rstd 0, and PyTorch's
+    layer_norm gives zeros (the bias) for such a row, not NaN. Each backend gives PyTorch's
+    answer there, and ordinary rows in the same call are unaffected."""
+    from bert_fast.backend import available_backends
+    if backend not in available_backends():
+        pytest.skip(f"backend {backend} unavailable")
+    x = torch.tensor([[1e20, -1e20, 0.0, 3.0], [3e19, 3e19, 3e19, -3e19], [1e5, 1e5 + 1, 1e5 + 2, 1e5 + 3]])
+    weight, bias = torch.tensor([1.0, 2.0, 0.5, 1.0]), torch.tensor([0.0, 0.1, -0.2, 0.3])
+    expected = F.layer_norm(x, (4,), weight, bias, 1e-5)
+    assert torch.equal(expected[:2], bias.expand(2, 4)), "PyTorch's own answer changed"
+    out = add_layernorm(x, torch.zeros_like(x), weight, bias, 1e-5, backend=backend)
+    assert not out.isnan().any(), out
+    assert_close(out, expected, atol=1e-5, what=f"backend {backend}")
 @needs_kernels
 def test_empty_input():
     x = torch.randn(0, 4, 96, device=DEVICE)
