@@ -27,13 +27,17 @@ def assert_same_gradients(fast, compiled, tokens, segments, valid_lens):
         assert_close(grads[1][name], grad, atol=1e-4, rtol=1e-4, what=f"grad {name}")
 
 
-@pytest.mark.parametrize("valid_lens", [torch.tensor([3, 0, 9]), torch.tensor([[1, 2, 3, 0, 9, 9, 9, 9, 9]] * 3)],
+# Inductor compiles the 1-D case (what torch.compile does by default); the 2-D mask's graph goes
+# to aot_eager: what differs there is the masking Dynamo and AOTAutograd trace (Inductor's second
+# compile took ~12 s of the CI machine).
+@pytest.mark.parametrize("valid_lens, compiler", [(torch.tensor([3, 0, 9]), "inductor"),
+                                                  (torch.tensor([[1, 2, 3, 0, 9, 9, 9, 9, 9]] * 3), "aot_eager")],
                          ids=["1d", "2d"])
-def test_fullgraph_compile_matches_reference(valid_lens):
+def test_fullgraph_compile_matches_reference(valid_lens, compiler):
     torch._dynamo.reset()
     ref, fast = encoder_pair(encoder_config(num_layers=1))
     tokens, segments = random_inputs(3, 9, 50)
-    compiled = torch.compile(fast, fullgraph=True)
+    compiled = torch.compile(fast, fullgraph=True, backend=compiler)
     out = compiled(tokens, segments, valid_lens)
     assert_close(out, ref(tokens, segments, valid_lens), atol=1e-4)
     # Training: gradients flow through the compiled graph.
