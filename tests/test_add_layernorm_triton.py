@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from bert_fast.backend import available_backends
 from bert_fast.ops.add_layernorm import (MAX_HIDDEN, _add_layernorm_bwd_triton, _add_layernorm_fwd_triton,
                                          _layernorm_blocks, _layernorm_bwd_blocks, add_layernorm, add_layernorm_bwd,
                                          add_layernorm_fwd)
@@ -224,7 +225,6 @@ def test_rows_whose_variance_overflows_fp32_give_what_pytorch_gives(backend):
     """Values near 1e20 square past fp32's range: the variance is inf, rstd 0, and PyTorch's
     layer_norm gives zeros (the bias) for such a row, not NaN. Each backend gives PyTorch's
     answer there, and ordinary rows in the same call are unaffected."""
-    from bert_fast.backend import available_backends
     if backend not in available_backends():
         pytest.skip(f"backend {backend} unavailable")
     x = torch.tensor([[1e20, -1e20, 0.0, 3.0], [3e19, 3e19, 3e19, -3e19], [1e5, 1e5 + 1, 1e5 + 2, 1e5 + 3]])
