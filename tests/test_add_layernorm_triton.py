@@ -219,7 +219,6 @@ def test_dropout_of_everything_leaves_layernorm_of_residual():
     assert_close(out, F.layer_norm(residual, (96,), weight, bias), atol=1e-5)
 
 
-
 @pytest.mark.parametrize("backend", ["torch", "triton", "cuda"])
 def test_rows_whose_variance_overflows_fp32_give_what_pytorch_gives(backend):
     """Values near 1e20 square past fp32's range: the variance is inf, rstd 0, and PyTorch's
@@ -234,6 +233,8 @@ def test_rows_whose_variance_overflows_fp32_give_what_pytorch_gives(backend):
     out = add_layernorm(x, torch.zeros_like(x), weight, bias, 1e-5, backend=backend)
     assert not out.isnan().any(), out
     assert_close(out, expected, atol=1e-5, what=f"backend {backend}")
+
+
 @needs_kernels
 def test_empty_input():
     x = torch.randn(0, 4, 96, device=DEVICE)
