@@ -342,16 +342,19 @@ def test_readme_replaces_only_the_block_naming_the_records(tmp_path):
         bench_common.replace_generated_table(unclosed, "table", h100)
 
 
-def test_the_readme_tables_are_those_of_their_records():
-    """Every generated block of README.md holds what --table-from makes of the records its
-    marker names (rerun the marker's command after changing a record or the table code)."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+@pytest.mark.parametrize("document, least_blocks", [("README.md", 2), ("docs/gpu-runs.md", 5), ("docs/host-time.md", 1)])
+def test_the_readme_tables_are_those_of_their_records(document, least_blocks):
+    """Every generated block of README.md and of the docs it moved its run history to holds
+    what --table-from makes of the records its marker names, read from the document's folder
+    (rerun the marker's command after changing a record or the table code)."""
+    path = ROOT / document
+    text = path.read_text(encoding="utf-8")
     blocks = bench_common.generated_blocks(text)
-    assert len(blocks) >= 2
+    assert len(blocks) >= least_blocks
     for block in blocks:
-        records = [ROOT / path for path in block.records]
+        records = [path.parent / record for record in block.records]
         assert text == bench_common.replace_generated_table(
-            text, bench_common.table_from_files(records), records, base_dir=ROOT), block.records
+            text, bench_common.table_from_files(records), records, base_dir=path.parent), block.records
 
 
 def test_graphed_train_step_captures_once_per_training_state(monkeypatch):
