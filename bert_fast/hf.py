@@ -79,7 +79,7 @@ from .backend import _GLOBAL_HOOKS, backend_of, graph_backend_for, resolve_backe
 from .cuda_graph import _Bucket, _Calls, _is_ids, _sliced, bucket_batch, bucket_seqlen, bucket_tokens, \
     clear_cuda_graphs, graphed
 from .ops._triton import values_on_host
-from .modules import _ACTIVATION_FUNCTIONS, _hook_dicts, _linear, _pack_back_to_back_, \
+from .modules import _ACTIVATION_FUNCTIONS, _KeepsQKVPacked, _hook_dicts, _linear, _pack_back_to_back_, \
     _dropout_rate, _drop_packing, _parameters_read, _QKVPacking, _table_read, fused_layer, packed_qkv
 from .ops.embedding_layernorm import embedding_layernorm
 
@@ -367,7 +367,7 @@ class FusedAttentionMask:
         self.key_mask, self.unpadding, self.valid_lens = key_mask, unpadding, valid_lens
 
 
-class FastBertLayer(BertLayer):
+class FastBertLayer(_KeepsQKVPacked, BertLayer):
     """BertLayer with a fused forward, taken when FastBertModel passes a FusedAttentionMask (HF
     callers get HF's forward: its mask, cache and cross-attention arguments mean HF code)."""
 
@@ -378,18 +378,6 @@ class FastBertLayer(BertLayer):
         if isinstance(attention_mask, FusedAttentionMask):
             return self.fused_forward(hidden_states, attention_mask)
         return super().forward(hidden_states, attention_mask, *args, **kwargs)
-
-    def _apply(self, fn, recurse=True):
-        # .to(), .cuda(), .half() give each Parameter a new tensor: put Q, K, V back to back again.
-        super()._apply(fn, recurse)
-        self.pack_qkv_()
-        return self
-
-    def __setstate__(self, state):
-        # copy.deepcopy gives every Parameter a copy of its own (pickling keeps shared storage):
-        # pack them again.
-        super().__setstate__(state)
-        self.pack_qkv_()
 
     @torch.no_grad()
     def pack_qkv_(self):

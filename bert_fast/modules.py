@@ -104,7 +104,21 @@ def _normalized_size(norm_shape, num_hiddens):
     return shape
 
 
-class FastMultiHeadAttention(nn.Module):
+class _KeepsQKVPacked:
+    """For modules whose pack_qkv_ keeps W_q, W_k and W_v back to back in one buffer: pack them
+    again where PyTorch gives every Parameter a new tensor of its own."""
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)          # .to(), .cuda(), .half() ...
+        self.pack_qkv_()
+        return self
+
+    def __setstate__(self, state):
+        super().__setstate__(state)          # copy.deepcopy (pickling keeps shared storage)
+        self.pack_qkv_()
+
+
+class FastMultiHeadAttention(_KeepsQKVPacked, nn.Module):
     """The reference MultiHeadAttention; self-attention runs one packed QKV GEMM.
 
     Unlike the reference it does not keep ``attention_weights`` (never materialised).
@@ -130,18 +144,6 @@ class FastMultiHeadAttention(nn.Module):
         self._qkv_packing = None
         self.pack_qkv_()
         self.register_load_state_dict_post_hook(_repack_after_load)
-
-    def _apply(self, fn, recurse=True):
-        # .to(), .cuda(), .half() ... give every Parameter its own new tensor: pack them again.
-        super()._apply(fn, recurse)
-        self.pack_qkv_()
-        return self
-
-    def __setstate__(self, state):
-        # copy.deepcopy gives every Parameter a copy of its own (pickling keeps shared storage):
-        # pack them again.
-        super().__setstate__(state)
-        self.pack_qkv_()
 
     def _qkv_params(self):
         """W_q, W_k, W_v's weights, then their biases if they have them (dict reads: this runs
