@@ -12,6 +12,10 @@ layers, the NSP head). For issue 13's item 4 (the MLM head's share) and for how 
 step is from its kernels (host-bound where the wall time is well above the kernels' sum). Then,
 without the profiler, the host's time in each phase of the step (zero_grad, forward and loss,
 backward, optimizer step) and the GPU's wait after it: which phase to cut where host-bound.
+For optimize(), last, how much of the backward's host time is spent inside the fused encoder
+layers' backward (our Python, its launches and GEMM calls; timed by wrapping the functions,
+which sees the autograd engine's device thread, where cProfile would not) and in which of its
+parts; the rest is the autograd engine's own work, AccumulateGrad and the heads' backward.
 
 A GPU tool for scripts/gpu_session.sh's `profile-train-step`; with --device cpu (a smoke test)
 the operators' CPU time stands in for the kernels'.
@@ -19,6 +23,7 @@ the operators' CPU time stands in for the kernels'.
 
 import argparse
 import copy
+import importlib
 import statistics
 import time
 
@@ -92,6 +97,50 @@ def host_phases(step, batch, steps, device):
     return {phase: statistics.median(values) for phase, values in times.items()}
 
 
+def backward_parts(step, batch, steps):
+    """{part: (host ms a step, calls a step)} inside the fused layers' backward over ``steps``
+    steps, and the backward phase's own median ms: each part's function wrapped with a timer
+    while they run."""
+    layer = importlib.import_module("bert_fast.ops.encoder_layer")
+    parts = {"fused layers' backward, in all": (layer._EncoderLayer, "backward"),
+             "add-norm backward (2 a layer)": (layer, "_layernorm_backward"),
+             "attention backward": (layer, "_attention_backward"),
+             "bias/activation backward": (layer, "_bias_act_bwd_triton"),
+             "joint column sums": (layer._DeferredSums, "finish"),
+             "GEMMs with a residual (2 a layer)": (layer, "_add_product")}
+    spent, calls = dict.fromkeys(parts, 0.0), dict.fromkeys(parts, 0)
+
+    def timed(part, function):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent[part] += time.perf_counter() - start
+                calls[part] += 1
+        return wrapper
+
+    originals = [(owner, name, vars(owner)[name]) for owner, name in parts.values()]
+    backward_ms = []
+    try:
+        for part, (owner, name) in parts.items():
+            function = getattr(owner, name)
+            wrapped = timed(part, function)
+            setattr(owner, name, staticmethod(wrapped) if isinstance(vars(owner)[name], staticmethod) else wrapped)
+        for _ in range(steps):
+            step.optimizer.zero_grad(set_to_none=True)
+            loss = step.loss(*batch)
+            start = time.perf_counter()
+            loss.backward()
+            backward_ms.append(1e3 * (time.perf_counter() - start))
+            step.optimizer.step()
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+    return ({part: (1e3 * seconds / steps, calls[part] / steps) for part, seconds in spent.items()},
+            statistics.median(backward_ms))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="base")
@@ -99,6 +148,7 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="the suite's quick train shape (smoke tests)")
+    parser.add_argument("--backend", choices=["torch", "triton", "cuda"], help="optimize()'s (default: auto)")
     options = parser.parse_args()
     device, dtype = torch.device(options.device), getattr(torch, options.dtype)
     shape = quick_shape(SHAPES["train"]) if options.quick else SHAPES["train"]
@@ -110,7 +160,8 @@ def main():
     print(f"{name}, torch {torch.__version__}; {options.preset} {options.dtype}, a pretraining step "
           f"(MLM + NSP, fused AdamW where CUDA, dropout 0.1), B{shape.batch} L{shape.seq}, {options.steps} "
           f"profiled steps after 3; device time by the operator that launched it")
-    for method, build in (("eager reference", lambda m: m), ("optimize() (auto)", optimize)):
+    for method, build in (("eager reference", lambda m: m), (f"optimize() ({options.backend or 'auto'})",
+                                                                lambda m: optimize(m, backend=options.backend))):
         model = build(copy.deepcopy(base).to(device=device, dtype=dtype)).train()
         step = TrainStep(model, device)
         for _ in range(3):
@@ -124,6 +175,16 @@ def main():
         phases = host_phases(step, batch, max(options.steps, 10), device)
         print(f"\nThe host's phases, unprofiled (median of {max(options.steps, 10)} steps): "
               + ", ".join(f"{phase} {ms:.2f} ms" for phase, ms in phases.items()))
+        if method.startswith("optimize"):
+            parts, backward_ms = backward_parts(step, batch, max(options.steps, 10))
+            print(f"\nThe backward's host time: median {backward_ms:.2f} ms a step", end="")
+            if next(iter(parts.values()))[1]:
+                print("; timers around functions, mean ms a step (the parts are inside the first row):")
+                print("| part | calls a step | host ms a step |\n|---|---|---|")
+                for part, (ms, count) in parts.items():
+                    print(f"| {part} | {count:g} | {ms:.2f} |")
+            else:
+                print("; the fused encoder layer did not run (its backend's per-op path)")
         del model, step
 
 
