@@ -12,6 +12,7 @@
 #                                                  # the memory-bound ops' kernels at 128-8192 rows
 #   bash scripts/gpu_session.sh profile-train-step # a whole pretraining step: wall vs kernels,
 #                                                  # the MLM head's and AdamW's shares
+#   bash scripts/gpu_session.sh backward-host-cost # a backward's host cost: autograd's device thread?
 #   PACK=1 bash scripts/gpu_session.sh build attention-tiles layernorm-tiles bias-act-tiles ncu-small small-m-gemm
 #                                                  # experiments: attention tiles, Triton LayerNorm and
 #                                                  # bias_act backward shapes, few-row kernels, small-M GEMMs
@@ -237,6 +238,11 @@ for step in "$@"; do
         # A whole pretraining step (MLM + NSP heads, fused AdamW), reference and optimize(): wall
         # time against kernel time, and the vocabulary-sized ops' and the optimizer's shares.
         run profile-train-step env PYTHONPATH=. python scripts/profile_train_step.py ;;
+    backward-host-cost)
+        # Why a backward's host time is 3-5x its forward's on CUDA and ~1x on the CPU: small ops
+        # timed in the main thread and inside a backward (autograd's device thread, then with
+        # the engine's threads off), and the host benchmark's encoder with the threads on and off.
+        run backward-host-cost env PYTHONPATH=. python scripts/backward_host_cost.py ;;
     kernels-small)
         # The memory-bound ops at a batch-1 forward's 128 rows up to 8192, each row with its
         # kernels (profiler): where the extension's forward kernels lose ~1.5 us to Triton's at
@@ -313,7 +319,8 @@ for step in "$@"; do
             --matrix-record "$results/$stamp-matrix.json" --benchmark-json "$results/$stamp-matrix-benchmark.json" ;;
     *)
         echo "unknown step '$step' (install build tests-gpu tests sanitize sanitize-memcheck sanitize-racecheck" \
-             "kernels profile profile-blas profile-graph-call profile-train profile-train-step kernels-small" \
+             "kernels profile profile-blas profile-graph-call profile-train profile-train-step backward-host-cost" \
+             "kernels-small" \
              "attention-tiles attention-bwd-tiles attention-dropout-tiles layernorm-tiles layernorm-fwd-tiles" \
              "bias-act-tiles column-sums-tiles loss-curves small-m-gemm ncu-small host host-skip-padding suite-base" \
              "suite-base-fp16 suite-large suite-train matrix)" >&2

@@ -1,0 +1,153 @@
+"""Why a backward costs the host more on CUDA than on the CPU:
+
+  python scripts/backward_host_cost.py [--ops 2000] [--rounds 7]
+
+On the GPU machines the host time of a backward is 3-5x its forward's (H200, 2026-11-26, the
+host benchmark at H 64 B1 L8: the reference's forward 6.0 ms, forward+backward 28.3; fast[triton]
+3.2 and 18.3; an H100's BERT-base training step, 2026-11-28: optimize()'s forward and loss 8.1
+ms of host time, its backward 24.9), where on the CPU machines the two are about equal (the
+same benchmark on CPU tensors). The eager training step is host-bound on the GPU, so that
+backward is what keeps it near 1.4x the reference. On the GPU autograd runs the backward on
+its own thread per device; on the CPU in the calling thread. This times the same small CUDA
+ops (an 8x64 @ 64x64 mm, an empty_like, an add) and the same pure-Python loop
+
+  in the main thread,
+  inside a backward (a Function whose backward runs them), autograd's device thread,
+  inside a backward with torch.autograd.set_multithreading_enabled(False) (the calling thread),
+
+host µs per op (the GPU synchronised only around each timed block), and then the host
+benchmark's encoder forward+backward (12 layers, H 64, B1 L8) of the reference and of
+FastBERTEncoder on triton and cuda with the engine's threads on and off. If the per-op cost
+inside the backward is well above the main thread's, the cost is the thread's (GIL hand-offs,
+thread-local state, a colder cache), not our code. A GPU tool for scripts/gpu_session.sh's
+`backward-host-cost` step; on the CPU (a smoke test) both paths run in the calling thread.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from bert_fast.backend import available_backends
+from bert_fast.bench_common import make_inputs
+from bert_fast.host_bench import SHAPE, VOCAB_SIZE, build_models, encoder_config
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def workloads(device, ops):
+    a = torch.randn(8, 64, device=device)
+    b = torch.randn(64, 64, device=device)
+
+    def mm():
+        for _ in range(ops):
+            torch.mm(a, b)
+
+    def empty_like():
+        for _ in range(ops):
+            torch.empty_like(a)
+
+    def add():
+        for _ in range(ops):
+            a.add(a)
+
+    def python():
+        total = 0
+        for i in range(ops * 20):
+            total += i
+        return total
+
+    return {"mm": mm, "empty_like": empty_like, "add": add, "Python loop (20 adds an op)": python}
+
+
+class _RunInBackward(torch.autograd.Function):
+    """Identity whose backward runs ``work`` and records how long it took."""
+
+    @staticmethod
+    def forward(ctx, x, work, seconds):
+        ctx.work, ctx.seconds = work, seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        start = time.perf_counter()
+        ctx.work()
+        ctx.seconds.append(time.perf_counter() - start)
+        return grad, None, None
+
+
+def time_in_main(work, device):
+    synchronize(device)
+    start = time.perf_counter()
+    work()
+    seconds = time.perf_counter() - start
+    synchronize(device)
+    return seconds
+
+
+def time_in_backward(work, device, threads):
+    x = torch.zeros(4, device=device, requires_grad=True)
+    seconds = []
+    with torch.autograd.set_multithreading_enabled(threads):
+        out = _RunInBackward.apply(x, work, seconds)
+        synchronize(device)
+        out.sum().backward()
+    synchronize(device)
+    return seconds[0]
+
+
+def encoder_backward_ms(model, inputs, device, threads, rounds):
+    """Median host ms of a forward+backward (grads set to None, untimed, before each)."""
+    samples = []
+    with torch.autograd.set_multithreading_enabled(threads):
+        for _ in range(rounds * 5 + 3):
+            model.zero_grad(set_to_none=True)
+            synchronize(device)
+            start = time.perf_counter()
+            model(*inputs).sum().backward()
+            synchronize(device)
+            samples.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(samples[3:])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--ops", type=int, default=2000, help="ops a timed block (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=7, help="timed blocks a case, median (default: %(default)s)")
+    options = parser.parse_args()
+    device = torch.device(options.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"{name}, torch {torch.__version__}; host µs an op, median of {options.rounds} blocks of "
+          f"{options.ops} ops")
+    print("| op | main thread | in a backward | in a backward, engine threads off |\n|---|---|---|---|")
+    for op, work in workloads(device, options.ops).items():
+        work()          # warm-up: cuBLAS handles, the caching allocator
+        places = (lambda: time_in_main(work, device), lambda: time_in_backward(work, device, True),
+                  lambda: time_in_backward(work, device, False))
+        cells = []
+        for place in places:
+            cells.append(1e6 * statistics.median(place() for _ in range(options.rounds)) / options.ops)
+        print(f"| {op} | " + " | ".join(f"{us:.2f}" for us in cells) + " |")
+
+    config = encoder_config(SHAPE["num_layers"], SHAPE["num_hiddens"], SHAPE["num_heads"],
+                            SHAPE["ffn_num_hiddens"], SHAPE["seq"], 0.0)
+    backends = [b for b in ("triton", "cuda") if b in available_backends()] if device.type == "cuda" else ["triton"]
+    models = build_models(config, backends, device)
+    inputs = tuple(make_inputs(SHAPE["batch"], SHAPE["seq"], 0.5, VOCAB_SIZE, 0, device))
+    print(f"\nThe host benchmark's encoder (12 layers, H 64, B{SHAPE['batch']} L{SHAPE['seq']}), train mode: "
+          "host ms a forward+backward, median")
+    print("| method | engine threads on | off |\n|---|---|---|")
+    for method, model in models.items():
+        model.train()
+        on = encoder_backward_ms(model, inputs, device, True, options.rounds)
+        off = encoder_backward_ms(model, inputs, device, False, options.rounds)
+        print(f"| {method} | {on:.2f} | {off:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
