@@ -616,6 +616,15 @@ def suite_record_markdown(record):
     return "\n\n".join([*parts, *(group_markdown(group) for group in groups(record["rows"])), _footnotes(record)])
 
 
+def _host_model(config):
+    """The caption's words for a host record's model: nothing for the book's encoder (records
+    before --model have no such key)."""
+    if config.get("model", "book") == "book":
+        return ""
+    return (f"Hugging Face BertModel (the reference: its own forward, attention "
+            f"{config.get('hf_attention')!r}; the fast rows: copies after bert_fast.optimize), ")
+
+
 def host_record_markdown(record):
     """A record of ``--suite host`` as markdown: a caption naming the machine and the shape, and
     per mode a table of host microseconds per call against the reference."""
@@ -623,7 +632,7 @@ def host_record_markdown(record):
     caption = (
         f"Measured on **{env['device_name']}** ({env['device']}, {env['torch_num_threads']} threads), "
         f"{record['date']}: torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}{_code_versions(env)}, extension "
-        f"{env['extension']}. {config['num_layers']} layers, H {config['num_hiddens']}, "
+        f"{env['extension']}. {_host_model(config)}{config['num_layers']} layers, H {config['num_hiddens']}, "
         f"{config['num_heads']} heads, FFN {config['ffn_num_hiddens']}, B {config['batch']}, "
         f"L {config['seq']}, dropout {config['dropout']}, check_inputs {config['check_inputs']}"
         f"{', skip_padding' if config.get('skip_padding') else ''}; "

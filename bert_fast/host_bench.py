@@ -19,7 +19,10 @@ runs on CPU tensors, so this benchmark measures it on any machine:
 
 for the reference (the book's BERTEncoder, the baseline) and FastBERTEncoder on every backend
 this install can run, on the same weights and inputs, in interleaved rounds (each round calls
-every method, in rotating order). Each row also counts the ATen operator calls per layer (a
+every method, in rotating order). ``--model hf``: the same for a Hugging Face ``BertModel`` of
+that size (transformers' default attention, GELU, the attention mask from the same lengths):
+the reference is that model's own forward, the fast rows are copies of it after
+``bert_fast.optimize(model, backend=...)``. Each row also counts the ATen operator calls per layer (a
 TorchDispatchMode sees every call that reaches a kernel), and on CUDA the kernel launches per
 layer (the profiler's device events).
 
@@ -44,7 +47,9 @@ none), and prints where.
 
 import argparse
 import contextlib
+import copy
 import datetime
+import importlib.util
 import statistics
 import sys
 import time
@@ -90,6 +95,50 @@ def build_models(config, backends, device, check_inputs=True, seed=0, gpu_path=F
                                        skip_padding=skip_padding).to(device)
         models[name].load_state_dict(reference.state_dict())
     return models
+
+
+class _HFCall(torch.nn.Module):
+    """A Hugging Face BertModel called as the rows call an encoder: (ids, segments, attention
+    mask) -> last_hidden_state."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens, segments, attention_mask):
+        return self.model(input_ids=tokens, token_type_ids=segments, attention_mask=attention_mask).last_hidden_state
+
+
+def hf_config(config):
+    """transformers' BertConfig of an encoder_config's size (its dropout on every dropout)."""
+    from transformers import BertConfig
+    return BertConfig(vocab_size=config["vocab_size"], hidden_size=config["num_hiddens"],
+                      num_hidden_layers=config["num_layers"], num_attention_heads=config["num_heads"],
+                      intermediate_size=config["ffn_num_hiddens"], max_position_embeddings=config["max_len"],
+                      hidden_dropout_prob=config["dropout"], attention_probs_dropout_prob=config["dropout"])
+
+
+def build_hf_models(config, backends, device, seed=0, gpu_path=False, skip_padding=False):
+    """{name: module}: a transformers BertModel (the reference) and a copy of it per backend after
+    bert_fast.optimize (``skip_padding`` as given), each behind _HFCall."""
+    from transformers import BertModel
+    from .convert import optimize
+    torch.manual_seed(seed)
+    reference = BertModel(hf_config(config)).to(device)
+    models = {BASELINE: _HFCall(reference)}
+    names = [(f"fast[{backend}]", backend) for backend in backends] + ([(GPU_PATH, "triton")] if gpu_path else [])
+    for name, backend in names:
+        models[name] = _HFCall(optimize(copy.deepcopy(reference), backend=backend, skip_padding=skip_padding))
+    return models
+
+
+def _graphs_flag(model):
+    """(object, attribute) of a fast row's cuda_graphs switch, or None for the reference."""
+    if isinstance(model, FastBERTEncoder):
+        return model, "cuda_graphs"
+    if isinstance(model, _HFCall) and hasattr(model.model, "bert_fast_cuda_graphs"):
+        return model.model, "bert_fast_cuda_graphs"
+    return None
 
 
 class _LaunchCounter:
@@ -210,17 +259,17 @@ class _ReplayStubbed(cuda_graph._CudaGraphSteps):
 def _graphs_on(models, device):
     """Within: the fast rows with cuda_graphs=True, their replays stubbed off CUDA (_ReplayStubbed);
     afterwards cuda_graphs off again and their graphs dropped."""
-    fast = [model for model in models.values() if isinstance(model, FastBERTEncoder)]
+    fast = [flag for flag in map(_graphs_flag, models.values()) if flag is not None]
     previous = cuda_graph._steps
     if device.type != "cuda":
         cuda_graph._steps = _ReplayStubbed()
-    for model in fast:
-        model.cuda_graphs = True
+    for model, switch in fast:
+        setattr(model, switch, True)
     try:
         yield
     finally:
-        for model in fast:
-            model.cuda_graphs = False
+        for model, switch in fast:
+            setattr(model, switch, False)
             cuda_graph.clear_cuda_graphs(model)
         cuda_graph._steps = previous
 
@@ -324,9 +373,16 @@ def run(options, progress):
     device = options.device
     config = encoder_config(options.layers, options.hidden, options.heads, options.ffn, options.seq,
                             options.dropout)
-    models = build_models(config, options.backends, device, check_inputs=options.check_inputs,
-                          gpu_path=options.gpu_path, skip_padding=options.skip_padding)
     inputs = tuple(make_inputs(options.batch, options.seq, 0.5, VOCAB_SIZE, options.seed, device))
+    if options.model == "hf":
+        models = build_hf_models(config, options.backends, device, gpu_path=options.gpu_path,
+                                 skip_padding=options.skip_padding)
+        options.hf_attention = models[BASELINE].model.config._attn_implementation
+        tokens, segments, valid_lens = inputs
+        inputs = (tokens, segments, (torch.arange(options.seq, device=device) < valid_lens[:, None]).long())
+    else:
+        models = build_models(config, options.backends, device, check_inputs=options.check_inputs,
+                              gpu_path=options.gpu_path, skip_padding=options.skip_padding)
     rows = []
     for mode in options.modes:
         _prepare(models, mode)
@@ -351,7 +407,7 @@ def make_record(rows, options, argv):
         environment=environment_info(options.device),
         command=list(argv),
         date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        config=dict(num_layers=options.layers, num_hiddens=options.hidden, num_heads=options.heads,
+        config=dict(model=options.model, hf_attention=getattr(options, "hf_attention", None), num_layers=options.layers, num_hiddens=options.hidden, num_heads=options.heads,
                     ffn_num_hiddens=options.ffn, vocab_size=VOCAB_SIZE, batch=options.batch,
                     seq=options.seq, dropout=options.dropout, check_inputs=options.check_inputs,
                     skip_padding=options.skip_padding,
@@ -383,6 +439,10 @@ def build_parser():
     parser.add_argument("--suite", choices=["host"], required=True,
                         help="host: this benchmark (python -m bert_fast.bench --help: the main job)")
     parser.add_argument("--device", help="e.g. cpu, cuda, cuda:1 (default: cuda if available, else cpu)")
+    parser.add_argument("--model", choices=["book", "hf"], default="book",
+                        help="book: the book's BERTEncoder against FastBERTEncoder; hf: transformers' BertModel "
+                             "against copies of it after bert_fast.optimize (needs transformers) "
+                             "(default: %(default)s)")
     parser.add_argument("--backends", nargs="+", choices=["torch", "triton", "cuda"],
                         help="FastBERTEncoder backends (default: every one this install can run)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
@@ -432,6 +492,11 @@ def parse_args(argv):
                      "--warmup >= 0")
     if not 0 <= options.dropout < 1:
         parser.error(f"--dropout must be in [0, 1), got {options.dropout}")
+    if options.model == "hf":
+        if importlib.util.find_spec("transformers") is None:
+            parser.error("--model hf needs transformers (pip install transformers)")
+        if not options.check_inputs:
+            parser.error("--no-check-inputs is FastBERTEncoder's option, which --model hf does not build")
     if options.hidden % options.heads:
         parser.error(f"--hidden ({options.hidden}) must be divisible by --heads ({options.heads})")
     options.device = device_option(parser, options.device)

@@ -304,6 +304,9 @@ for step in "$@"; do
     host)
         # Host time of a forward and forward+backward at negligible arithmetic, kernel launches per layer.
         run host python -m bert_fast.bench --suite host --json "$results/$stamp-host.json" ;;
+    host-hf)
+        # The same for a Hugging Face BertModel of that size against copies after optimize().
+        run host-hf python -m bert_fast.bench --suite host --model hf --json "$results/$stamp-host-hf.json" ;;
     host-skip-padding)
         # The same with skip_padding (its own step: the device tool brings back 8 files a call).
         run host-skip-padding python -m bert_fast.bench --suite host --skip-padding \
@@ -322,7 +325,7 @@ for step in "$@"; do
              "kernels profile profile-blas profile-graph-call profile-train profile-train-step backward-host-cost" \
              "kernels-small" \
              "attention-tiles attention-bwd-tiles attention-dropout-tiles layernorm-tiles layernorm-fwd-tiles" \
-             "bias-act-tiles column-sums-tiles loss-curves small-m-gemm ncu-small host host-skip-padding suite-base" \
+             "bias-act-tiles column-sums-tiles loss-curves small-m-gemm ncu-small host host-hf host-skip-padding suite-base" \
              "suite-base-fp16 suite-large suite-train matrix)" >&2
         failures=$((failures + 1)) ;;
     esac

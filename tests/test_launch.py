@@ -253,6 +253,39 @@ def test_host_benchmark_times_the_gpu_path(capsys, skip_padding, monkeypatch):
     assert host_bench.GPU_PATH in out and ("check_inputs True, skip_padding;" in out) == skip_padding
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU path row is for machines without a GPU")
+def test_host_benchmark_of_a_hugging_face_model(capsys, monkeypatch):
+    """--model hf: transformers' BertModel against copies of it after optimize(), every mode;
+    the GPU path row launches the fused layers' kernels (not HF's forward, which launches none)."""
+    pytest.importorskip("transformers")
+    from bert_fast.hf import FastBertModel
+    built, build = [], host_bench.build_hf_models
+
+    def build_hf_models(*args, **kwargs):
+        built.append(build(*args, **kwargs))
+        return built[-1]
+    monkeypatch.setattr(host_bench, "build_hf_models", build_hf_models)
+    record = host_bench.main(["--suite", "host", "--model", "hf", "--layers", "2", "--rounds", "1", "--calls", "2",
+                              "--warmup", "0", "--backends", "torch", "--no-record"], record_argv=["test"])
+    assert record["config"]["model"] == "hf" and record["config"]["hf_attention"]
+    models = built[0]
+    assert not isinstance(models["reference"].model, FastBertModel)
+    assert all(isinstance(models[name].model, FastBertModel) for name in ("fast[torch]", host_bench.GPU_PATH))
+    rows = {(row["mode"], row["method"]): row for row in record["rows"]}
+    for mode in host_bench.MODES:
+        assert rows[(mode, "reference")]["median_us"] > 0
+        gpu_path = rows[(mode, host_bench.GPU_PATH)]
+        assert gpu_path["launches_per_layer"] >= (0.5 if mode == host_bench.GRAPHED else 1.5), (mode, gpu_path)
+    assert not any(model.model.bert_fast_cuda_graphs for name, model in models.items() if name != "reference")
+    assert "Hugging Face BertModel (the reference: its own forward" in capsys.readouterr().out
+
+
+def test_host_benchmark_model_hf_refuses_no_check_inputs(capsys):
+    with pytest.raises(SystemExit):
+        host_bench.main(["--suite", "host", "--model", "hf", "--no-check-inputs", "--no-record"])
+    assert "--no-check-inputs is FastBERTEncoder's option" in capsys.readouterr().err
+
+
 def test_host_cdiv_and_next_power_of_2_are_tritons():
     import triton
     from bert_fast.ops._triton import cdiv, next_power_of_2
