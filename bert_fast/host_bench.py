@@ -314,6 +314,20 @@ def count_launches(model, mode, inputs, device, name=None):
     return sum(1 for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def forward_backward_seconds(model, inputs, device, calls):
+    """Host seconds of ``calls`` forward+backward calls (output.sum().backward()), each timed
+    alone: gradients set to None before it (untimed), synchronize after it."""
+    samples = []
+    for _ in range(calls):
+        model.zero_grad(set_to_none=True)
+        synchronize(device)
+        start = time.perf_counter()
+        model(*inputs).sum().backward()
+        synchronize(device)
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
 def time_mode(models, mode, inputs, device, rounds, calls, warmup, progress=None):
     """Host microseconds per call of each model: {name: [per-round medians]}.
 
@@ -338,15 +352,7 @@ def time_mode(models, mode, inputs, device, rounds, calls, warmup, progress=None
                     synchronize(device)
                     seconds = (time.perf_counter() - start) / calls
                 else:
-                    samples = []
-                    for _ in range(calls):
-                        model.zero_grad(set_to_none=True)
-                        synchronize(device)
-                        start = time.perf_counter()
-                        model(*inputs).sum().backward()
-                        synchronize(device)
-                        samples.append(time.perf_counter() - start)
-                    seconds = statistics.median(samples)
+                    seconds = statistics.median(forward_backward_seconds(model, inputs, device, calls))
             if round_index >= 0:
                 per_round[name].append(1e6 * seconds)
     return per_round

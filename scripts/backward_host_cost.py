@@ -30,13 +30,8 @@ import time
 import torch
 
 from bert_fast.backend import available_backends
-from bert_fast.bench_common import make_inputs
-from bert_fast.host_bench import SHAPE, VOCAB_SIZE, build_models, encoder_config
-
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from bert_fast.bench_common import make_inputs, synchronize
+from bert_fast.host_bench import SHAPE, VOCAB_SIZE, build_models, encoder_config, forward_backward_seconds
 
 
 def workloads(device, ops):
@@ -101,16 +96,9 @@ def time_in_backward(work, device, threads):
 
 
 def encoder_backward_ms(model, inputs, device, threads, rounds):
-    """Median host ms of a forward+backward (grads set to None, untimed, before each)."""
-    samples = []
+    """Median host ms of a forward+backward (host_bench's timing), after 3 untimed."""
     with torch.autograd.set_multithreading_enabled(threads):
-        for _ in range(rounds * 5 + 3):
-            model.zero_grad(set_to_none=True)
-            synchronize(device)
-            start = time.perf_counter()
-            model(*inputs).sum().backward()
-            synchronize(device)
-            samples.append(time.perf_counter() - start)
+        samples = forward_backward_seconds(model, inputs, device, rounds * 5 + 3)
     return 1e3 * statistics.median(samples[3:])
 
 
