@@ -2,12 +2,12 @@
 
   python scripts/backward_host_cost.py [--ops 2000] [--rounds 7]
 
-On the GPU machines the host time of a backward is 3-5x its forward's (H200, 2026-11-26, the
-host benchmark at H 64 B1 L8: the reference's forward 6.0 ms, forward+backward 28.3; fast[triton]
-3.2 and 18.3; an H100's BERT-base training step, 2026-11-28: optimize()'s forward and loss 8.1
-ms of host time, its backward 24.9), where on the CPU machines the two are about equal (the
-same benchmark on CPU tensors). The eager training step is host-bound on the GPU, so that
-backward is what keeps it near 1.4x the reference. On the GPU autograd runs the backward on
+On the GPU machines a backward costs the host more, against its forward, than on the CPU
+machines: in an H100's BERT-base pretraining step (2026-11-28, scripts/profile_train_step.py)
+the backward took 1.9x the host time of the forward and loss for the reference (34.9 against
+18.6 ms) and 3.1x for optimize() (24.9 against 8.1); the same step at H 64 on a CPU VM
+(2026-11-29, fp32, optimize() on the GPU path) 0.9x and 1.3x. The eager training step is
+host-bound on the GPU, so that backward is what keeps it near 1.4x the reference. On the GPU autograd runs the backward on
 its own thread per device; on the CPU in the calling thread. This times the same small CUDA
 ops (an 8x64 @ 64x64 mm, an empty_like, an add) and the same pure-Python loop
 

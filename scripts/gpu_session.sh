@@ -239,7 +239,7 @@ for step in "$@"; do
         # time against kernel time, and the vocabulary-sized ops' and the optimizer's shares.
         run profile-train-step env PYTHONPATH=. python scripts/profile_train_step.py ;;
     backward-host-cost)
-        # Why a backward's host time is 3-5x its forward's on CUDA and ~1x on the CPU: small ops
+        # Why a backward costs the host relatively more on CUDA than on the CPU: small ops
         # timed in the main thread and inside a backward (autograd's device thread, then with
         # the engine's threads off), and the host benchmark's encoder with the threads on and off.
         run backward-host-cost env PYTHONPATH=. python scripts/backward_host_cost.py ;;
