@@ -29,13 +29,15 @@ and every method on the same weights and dtype, in the same run:
   fast_cuda_graph           latency shape, CUDA only: fast with check_inputs=False, captured by
                             bert_fast.cuda_graph.capture_encoder (no compile)
   train shape: eager, compile (of model + loss), graphed (CUDA only: the reference's encoder
-  under torch.cuda.make_graphed_callables, heads, loss and AdamW eager), optimize /
+  under torch.cuda.make_graphed_callables, heads, loss and AdamW eager), hf_sdpa (below), optimize /
   optimize_skip_padding (the model after bert_fast.optimize(..., backend=...)), optimize_compile
   (optimize(), backend auto, then model + loss compiled), optimize_compile_reduce_overhead (CUDA
   only: the same with mode="reduce-overhead", forward and backward replayed as CUDA graphs, AdamW
   eager), optimize_graphed (CUDA only: optimize(),
-  backend auto, check_inputs off, the encoder graphed as the reference's), each with its own
-  AdamW on its own weights.
+  backend auto, check_inputs off, the encoder graphed as the reference's), hf_optimize; hf_sdpa
+  and hf_optimize: the model with a Hugging Face BertModel of the same weights as its encoder
+  (sdpa), before and after bert_fast.optimize(), the book's heads and loss (training an HF model
+  is what most users of optimize() do); each with its own AdamW on its own weights.
 
 A method that cannot run (not built, peer missing, compile error, out of memory) becomes a row
 "skipped: <reason>"; the run goes on. Every row carries median and p90 latency, tokens/s,
@@ -198,15 +200,16 @@ AUTO_GRAPHS = ("fast_cuda_graphs", "fast_skip_padding_cuda_graphs")
 LATENCY_ONLY = ("fast_compile_reduce_overhead", "fast_cuda_graph")
 TRAIN_GRAPHED = ("graphed", "optimize_graphed")     # the reference's encoder graphed, and ours
 TRAIN_REDUCE_OVERHEAD = "optimize_compile_reduce_overhead"
+TRAIN_HF = ("hf_sdpa", HF_OPTIMIZE)       # the model's encoder an HF BertModel, and after optimize()
 
 
 def method_names(shape, backends):
     """A shape's row names, in the order its workload lists them when every backend can run."""
     suffixes = [backend_suffix(backend) for backend in backends]
     if shape.training:
-        return ["eager", "compile", TRAIN_GRAPHED[0], *(name + suffix for suffix in suffixes
-                                                        for name in ("optimize", "optimize_skip_padding")),
-                "optimize_compile", TRAIN_REDUCE_OVERHEAD, TRAIN_GRAPHED[1]]
+        return ["eager", "compile", TRAIN_GRAPHED[0], TRAIN_HF[0], *(name + suffix for suffix in suffixes
+                                                                     for name in ("optimize", "optimize_skip_padding")),
+                "optimize_compile", TRAIN_REDUCE_OVERHEAD, TRAIN_GRAPHED[1], TRAIN_HF[1]]
     names = [*INFERENCE_BASELINES, HF_OPTIMIZE, HF_GRAPHS, *(name + suffix for suffix in suffixes
                                      for name in ("fast", "fast_skip_padding")), *AUTO_GRAPHS]
     return names + list(LATENCY_ONLY if shape.name == "latency" else ())
@@ -454,6 +457,7 @@ def train_methods(base_model, dtype, device, options):
         methods.append(unavailable("compile", "not asked (--no-compile; --quick leaves compile out "
                                               "unless --compile)"))
     methods.append(graphed(TRAIN_GRAPHED[0], copy_of_model, ours=False))
+    methods.append(_hf_train_method(TRAIN_HF[0], copy_of_model, device, ours=False))
     for backend in options.backends:
         for name, skip_padding in (("optimize", False), ("optimize_skip_padding", True)):
             name += backend_suffix(backend)
@@ -479,7 +483,25 @@ def train_methods(base_model, dtype, device, options):
             methods.append(SuiteMethod(name, TrainStep(optimize(copy_of_model()), device, compile_mode=mode),
                                        ours=True))
     methods.append(graphed(TRAIN_GRAPHED[1], lambda: optimize(copy_of_model()), ours=True))
+    methods.append(_hf_train_method(TRAIN_HF[1], copy_of_model, device, ours=True))
     return methods
+
+
+def _hf_train_method(name, copy_of_model, device, ours):
+    """The train step with the model's encoder swapped for a Hugging Face BertModel of its weights
+    (bert_fast.peers.hf_bert_peer, sdpa), after optimize() where ``ours``: the same heads, loss,
+    batch and AdamW as the other rows."""
+    why = peers.hf_unavailable_reason()
+    if why is not None:
+        return unavailable(name, why, ours=ours)
+    model = copy_of_model()
+    model.encoder = peers.hf_bert_peer(model.encoder, attn_implementation="sdpa")
+    if ours:
+        try:
+            model = optimize(model)
+        except Exception as error:
+            return unavailable(name, f"optimize failed: {failure_reason(error)}", ours=True)
+    return SuiteMethod(name, TrainStep(model, device), ours=ours)
 
 
 def loss_after_one_step(step, batch):

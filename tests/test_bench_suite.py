@@ -25,9 +25,9 @@ def expected_methods(shape):
     """The row names of a shape on this CPU, in the suite's order."""
     suffixes = [bench_suite.backend_suffix(b) for b in bench_suite.default_backends(CPU)]
     if shape == "train":
-        return ["eager", "compile", "graphed"] + [f"{name}{suffix}" for suffix in suffixes
-                                                  for name in ("optimize", "optimize_skip_padding")] + [
-            "optimize_compile", "optimize_compile_reduce_overhead", "optimize_graphed"]
+        return ["eager", "compile", "graphed", "hf_sdpa"] + [f"{name}{suffix}" for suffix in suffixes
+                                                             for name in ("optimize", "optimize_skip_padding")] + [
+            "optimize_compile", "optimize_compile_reduce_overhead", "optimize_graphed", "hf_optimize"]
     names = INFERENCE_PEERS + ["hf_optimize", "hf_optimize_cuda_graphs"] + [f"{name}{suffix}" for suffix in suffixes
                                for name in ("fast", "fast_skip_padding")]
     names += ["fast_cuda_graphs", "fast_skip_padding_cuda_graphs"]
