@@ -323,8 +323,7 @@ for step in "$@"; do
     *)
         echo "unknown step '$step' (install build tests-gpu tests sanitize sanitize-memcheck sanitize-racecheck" \
              "kernels profile profile-blas profile-graph-call profile-train profile-train-step backward-host-cost" \
-             "kernels-small" \
-             "attention-tiles attention-bwd-tiles attention-dropout-tiles layernorm-tiles layernorm-fwd-tiles" \
+             "kernels-small attention-tiles attention-bwd-tiles attention-dropout-tiles layernorm-tiles layernorm-fwd-tiles" \
              "bias-act-tiles column-sums-tiles loss-curves small-m-gemm ncu-small host host-hf host-skip-padding suite-base" \
              "suite-base-fp16 suite-large suite-train matrix)" >&2
         failures=$((failures + 1)) ;;
