@@ -276,6 +276,9 @@ def test_host_benchmark_of_a_hugging_face_model(capsys, monkeypatch):
         assert rows[(mode, "reference")]["median_us"] > 0
         gpu_path = rows[(mode, host_bench.GPU_PATH)]
         assert gpu_path["launches_per_layer"] >= (0.5 if mode == host_bench.GRAPHED else 1.5), (mode, gpu_path)
+    # The graphed rows replay (stubbed): a fraction of an eager forward's ATen calls.
+    graphed, eager = (rows[(mode, host_bench.GPU_PATH)]["aten_ops_per_layer"] for mode in (host_bench.GRAPHED, "forward"))
+    assert graphed < eager / 4, (graphed, eager)
     assert not any(model.model.bert_fast_cuda_graphs for name, model in models.items() if name != "reference")
     assert "Hugging Face BertModel (the reference: its own forward" in capsys.readouterr().out
 
