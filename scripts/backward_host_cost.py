@@ -7,8 +7,8 @@ machines: in an H100's BERT-base pretraining step (2026-11-28, scripts/profile_t
 the backward took 1.9x the host time of the forward and loss for the reference (34.9 against
 18.6 ms) and 3.1x for optimize() (24.9 against 8.1); the same step at H 64 on a CPU VM
 (2026-11-29, fp32, optimize() on the GPU path) 0.9x and 1.3x. The eager training step is
-host-bound on the GPU, so that backward is what keeps it near 1.4x the reference. On the GPU autograd runs the backward on
-its own thread per device; on the CPU in the calling thread. This times the same small CUDA
+host-bound on the GPU, so that backward is what keeps it near 1.4x the reference. On the GPU
+autograd runs the backward on its own thread per device; on the CPU in the calling thread. This times the same small CUDA
 ops (an 8x64 @ 64x64 mm, an empty_like, an add) and the same pure-Python loop
 
   in the main thread,
