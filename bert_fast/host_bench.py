@@ -181,14 +181,14 @@ def gpu_launch_path(arch=None):
     after): the GEMMs and other PyTorch ops between the launches read the kernels' unwritten
     outputs, memory whose old bits (integer ids among them) often read as denormals, on which
     x86 arithmetic runs up to ~100x slower. Without it the row's host time held some of that
-    arithmetic (2026-11-29, this benchmark's default shape, forward+backward): with ``arch`` 90
-    14.7 ms with the flush against 16.6 without (medians of 8 alternating rounds in one
-    process); with ``arch`` None a training forward took 13.7-14.5 ms without it, 5.4-5.6 with it (three
+    arithmetic (2026-11-29, this benchmark's default shape): a forward+backward with ``arch``
+    90 took 14.7 ms with the flush against 16.6 without (medians of 8 alternating rounds in
+    one process); a training forward with ``arch`` None 5.4-5.6 ms against 13.7-14.5 (three
     runs each). The values are never read.
     """
     from triton.runtime.jit import JITFunction
     with contextlib.ExitStack() as stack:
-        if torch.set_flush_denormal(True):          # False where the CPU cannot (no SSE3)
+        if torch.set_flush_denormal(True):          # False where the CPU has no such mode
             stack.callback(torch.set_flush_denormal, False)
         if arch is None:
             launchers = [(JITFunction, "run"), (_triton._EagerLauncher, "launch")]
