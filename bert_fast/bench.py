@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from . import bench_suite, host_bench
+from .bench_suite import encoder_flops
 from .backend import BACKENDS, resolve_backend
 from .bench_common import (BASELINE, DTYPES, PRESETS, Progress, build_models, check_plot_path, device_option,
                            environment_info, first_call, make_inputs, max_error,
@@ -65,12 +66,13 @@ def count_steps(num_methods, num_seqs, warmup, repeats):
 
 
 def run_benchmark(models, *, batch, seqs, min_len_frac, seed, repeats, warmup, device,
-                  progress=None):
+                  progress=None, matmul_peak_tflops=None):
     """Benchmark every method at every sequence length → list of row dicts (see _row).
 
     ``warmup`` counts the untimed calls per method before timing; the first one (which
     compiles) is also the one whose output is checked against the fp32 reference.
-    ``progress`` (a Progress) is told each of the count_steps steps.
+    ``progress`` (a Progress) is told each of the count_steps steps. ``matmul_peak_tflops``:
+    the rate the rows' model TFLOP/s are set against (``% peak``; None: not given).
     """
     if warmup < 1 or repeats < 1:
         raise ValueError(f"warmup and repeats must be >= 1, got {warmup} and {repeats}")
@@ -124,14 +126,15 @@ def run_benchmark(models, *, batch, seqs, min_len_frac, seed, repeats, warmup, d
             error, first_seconds, skip_reason = first_calls[method.name]
             rows.append(_row(method, seq, inputs, error, first_seconds, skip_reason,
                              seconds.get(method.name), medians.get(BASELINE), best_peer,
-                             medians.get(best_peer)))
+                             medians.get(best_peer), encoder_flops(models.config, batch, seq),
+                             matmul_peak_tflops))
     if progress:
         progress.close()
     return rows
 
 
 def _row(method, seq, inputs, error, first_seconds, skip_reason, seconds, baseline_median, best_peer,
-         best_peer_median):
+         best_peer_median, flops, matmul_peak_tflops):
     batch = inputs.tokens.shape[0]
     valid_tokens = int(inputs.valid_lens.sum())
     row = dict(method=method.name, seq=seq, batch=batch, valid_tokens=valid_tokens,
@@ -145,14 +148,23 @@ def _row(method, seq, inputs, error, first_seconds, skip_reason, seconds, baseli
         speedup_vs_eager=(baseline_median / median) if baseline_median else None,
         ours=method.ours, best_peer=best_peer,
         speedup_vs_best_peer=(best_peer_median / median) if best_peer_median else None,
+        model_tflops=flops / median / 1e12,
+        pct_of_matmul_peak=100 * flops / median / 1e12 / matmul_peak_tflops if matmul_peak_tflops else None,
         max_abs_err=error,
         error_positions="valid" if method.valid_positions_only else "all")
     return row
 
 
-def format_table(rows):
-    """Plain-text table of the rows, with footnotes on what the columns count."""
-    header = ("method", "seq", "median ms", "p90 ms", "valid tok/s", "vs eager", "vs best peer", "max abs err")
+# The FLOPs a row's TFLOP/s counts (bench_suite.FLOP_FORMULA's inference part).
+FLOPS_NOTE = ("model FLOPs of the padded batch (per layer 2*N*H*3H + 4*B*L^2*H + 2*N*H*H + 4*N*H*F, "
+              "N = B*L tokens) / median latency; skip_padding is credited with them too")
+
+
+def format_table(rows, matmul_peak=None):
+    """Plain-text table of the rows, with footnotes on what the columns count; ``matmul_peak``:
+    the record's (measure_matmul_peak's dict), which % peak is of."""
+    header = ("method", "seq", "median ms", "p90 ms", "valid tok/s", "vs eager", "vs best peer", "TFLOP/s", "% peak",
+              "max abs err")
     lines = []
     for row in rows:
         if row["skipped"] is not None:
@@ -160,9 +172,11 @@ def format_table(rows):
             continue
         error = f"{row['max_abs_err']:.2e}" + ("*" if row["error_positions"] == "valid" else "")
         speedups = (row["speedup_vs_eager"], row.get("speedup_vs_best_peer"))
+        peak = row["pct_of_matmul_peak"]
         lines.append((row["method"], str(row["seq"]), f"{row['median_ms']:.1f}",
                       f"{row['p90_ms']:.1f}", f"{row['valid_tokens_per_s']:,.0f}",
-                      *(f"{speedup:.2f}x" if speedup is not None else "-" for speedup in speedups), error))
+                      *(f"{speedup:.2f}x" if speedup is not None else "-" for speedup in speedups),
+                      f"{row['model_tflops']:.3g}", "-" if peak is None else f"{peak:.1f}", error))
     full = [line for line in lines if len(line) == len(header)] + [header]
     widths = [max(len(line[i]) for line in full) for i in range(len(header))]
 
@@ -174,6 +188,9 @@ def format_table(rows):
 
     out = [render(header), "-" * len(render(header))] + [render(line) for line in lines]
     timed = [row for row in rows if row["skipped"] is None]
+    peak_words = ("the matmul peak, not measured" if matmul_peak is None else
+                  f"one {matmul_peak['n']}³ {matmul_peak['dtype']} matmul timed in the same run: "
+                  f"{matmul_peak['tflops']:.3g} TFLOP/s")
     if timed:
         rounds = len(timed[0]["latencies_ms"])
         out.append(f"median and p90 over {rounds} interleaved rounds; valid tok/s = valid tokens "
@@ -183,6 +200,7 @@ def format_table(rows):
             out.append(f"seq {seq}: {row['valid_tokens']} valid of {row['padded_tokens']} tokens "
                        f"({100 * row['valid_tokens'] / row['padded_tokens']:.0f}%); best peer "
                        f"{row.get('best_peer')}")
+        out.append(f"TFLOP/s: {FLOPS_NOTE}; % peak: of {peak_words}")
         out.append("max abs err: against an fp32 eager forward on the same weights; "
                    "* = valid positions only (skip_padding's padded outputs are zeros by design; "
                    "the peers' padded outputs are not the book's)")
@@ -190,15 +208,17 @@ def format_table(rows):
 
 
 def make_record(rows, *, preset, config, batch, seqs, min_len_frac, dtype, seed, repeats, warmup,
-                device, argv=None):
-    """A self-describing result: environment, command line, date, configuration and rows."""
+                device, argv=None, matmul_peak=None):
+    """A self-describing result: environment, command line, date, configuration, the matmul
+    peak of the run and rows."""
     return dict(
         environment=environment_info(device),
         command=list(sys.orig_argv if argv is None else argv),
         date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         config=dict(preset=preset, encoder=config, batch=batch, seqs=list(seqs),
                     min_len_frac=min_len_frac, dtype=dtype, seed=seed, repeats=repeats,
-                    warmup=warmup, mode="eval, torch.inference_mode()"),
+                    warmup=warmup, mode="eval, torch.inference_mode()", flops=FLOPS_NOTE),
+        matmul_peak=matmul_peak,
         rows=rows)
 
 
@@ -384,15 +404,18 @@ def main(argv=None):
           f"{config['num_heads']} heads, FFN {config['ffn_num_hiddens']}), batch {args.batch}, "
           f"{args.dtype}, eval; {environment_info(device)['device_name']} "
           f"({device}, {torch.get_num_threads()} threads)", flush=True)
+    # The rate the rows' TFLOP/s are set against: one square matmul in the run's dtype, timed
+    # before the models (on a 2-core CPU ~0.2 s at 1024³ fp32).
+    matmul_peak = bench_suite.measure_matmul_peak(args.dtype, device, bench_suite.default_matmul_size(device, args.dtype))
     progress = Progress()
     rows = run_benchmark(models, batch=args.batch, seqs=args.seq, min_len_frac=args.min_len_frac,
                          seed=args.seed, repeats=args.repeats, warmup=args.warmup, device=device,
-                         progress=progress)
-    print(format_table(rows))
+                         progress=progress, matmul_peak_tflops=matmul_peak["tflops"])
+    print(format_table(rows, matmul_peak))
     record = make_record(rows, preset=args.preset, config=config, batch=args.batch, seqs=args.seq,
                          min_len_frac=args.min_len_frac, dtype=args.dtype, seed=args.seed,
                          repeats=args.repeats, warmup=args.warmup, device=device,
-                         argv=None if argv is None else ["bert_fast.bench.main", *argv])
+                         argv=None if argv is None else ["bert_fast.bench.main", *argv], matmul_peak=matmul_peak)
     if record_path is not None:
         write_json(record, record_path)
         print(f"wrote {record_path}")

@@ -501,26 +501,35 @@ def main_record_markdown(record):
         f"{model['num_heads']} heads, FFN {model['ffn_num_hiddens']}), batch {config['batch']}, "
         f"lengths uniform in [ceil({config['min_len_frac']} L), L], {config['dtype']}, {config['mode']}; "
         f"{config['repeats']} interleaved rounds.\nCommand: `{shlex.join(record['command'])}`")
-    lines = ["| method | L | median ms | p90 ms | valid tok/s | vs eager | vs best peer | max abs err vs fp32 eager |",
-             "|---|---|---|---|---|---|---|---|"]
+    # Records since 2026-11-29 hold each row's model TFLOP/s and the run's matmul peak.
+    peak = record.get("matmul_peak")
+    rates = peak is not None
+    if rates:
+        caption += f"\nMatmul peak in the same run: {peak['dtype']} {peak['tflops']:.3g} TFLOP/s ({peak['n']}³)."
+    columns = ["method", "L", "median ms", "p90 ms", "valid tok/s", "vs eager", "vs best peer",
+               *(["TFLOP/s", "% peak"] if rates else []), "max abs err vs fp32 eager"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in record["rows"]:
         if row["skipped"] is not None:
-            lines.append(f"| {row['method']} | {row['seq']} | skipped: {row['skipped']} | | | | | |")
+            lines.append(f"| {row['method']} | {row['seq']} | skipped: {row['skipped']} |" + " |" * (len(columns) - 3))
             continue
         # (records from before peers were timed have no best peer)
         speedups = (row["speedup_vs_eager"], row.get("speedup_vs_best_peer"))
         error = f"{row['max_abs_err']:.1e}" + (" (valid positions)" if row["error_positions"] == "valid" else "")
         name = f"**{row['method']}**" if row.get("ours") else row["method"]
+        rate = (f" | {row['model_tflops']:.3g} | {_optional(row['pct_of_matmul_peak'], '{:.1f}')}" if rates else "")
         lines.append(f"| {name} | {row['seq']} | {row['median_ms']:.1f} | {row['p90_ms']:.1f} | "
                      f"{row['valid_tokens_per_s']:,.0f} | "
                      + " | ".join("–" if speedup is None else f"{speedup:.2f}×" for speedup in speedups)
-                     + f" | {error} |")
+                     + f"{rate} | {error} |")
     valid = {row["seq"]: row for row in record["rows"] if row["skipped"] is None}
     footnote = "Valid tokens: " + ", ".join(
         f"L {seq}: {row['valid_tokens']} of {row['padded_tokens']}" + (
             f", best peer {row['best_peer']}" if row.get("best_peer") else "") for seq, row in sorted(valid.items()))
     if any(row.get("ours") for row in record["rows"]):
         footnote += ". Bold: bert_fast's methods; the best peer is the fastest of the others."
+    if rates:
+        footnote += ("" if footnote.endswith(".") else ".") + f" TFLOP/s: {config['flops']}; % peak: of the matmul peak above."
     return "\n\n".join([caption, "\n".join(lines), footnote])
 
 

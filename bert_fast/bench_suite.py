@@ -788,7 +788,12 @@ def parse_args(argv):
 def matmul_size(options, dtype_name):
     if options.matmul_n is not None:
         return options.matmul_n
-    if options.device.type == "cuda":
+    return default_matmul_size(options.device, dtype_name)
+
+
+def default_matmul_size(device, dtype_name):
+    """N of the N x N x N matmul whose rate is a run's peak, per device and dtype."""
+    if device.type == "cuda":
         return 8192
     # CPUs have no fast fp16 GEMM (1024³ takes seconds): a smaller one measures the same rate.
     return 256 if dtype_name == "float16" else 1024

@@ -60,6 +60,17 @@ def test_main_job_counts_every_step_and_writes_its_record(tmp_path, monkeypatch,
             assert row["max_abs_err"] <= 1e-4, row     # the peers run the reference's weights
     assert "JSON" not in out      # the footer names nothing the run did not write
     assert "vs best peer" in out
+    # The fraction of the hardware's peak: each row's model TFLOP/s against one matmul of the run.
+    peak = record["matmul_peak"]
+    assert peak["dtype"] == "float32" and peak["tflops"] > 0 and f"{peak['tflops']:.3g} TFLOP/s" in out
+    config = record["config"]["encoder"]
+    for row in record["rows"]:
+        if row["skipped"] is None:
+            flops = bench_suite.encoder_flops(config, row["batch"], row["seq"])
+            assert row["model_tflops"] == pytest.approx(flops / row["median_ms"] / 1e9)
+            assert row["pct_of_matmul_peak"] == pytest.approx(100 * row["model_tflops"] / peak["tflops"])
+    markdown = bench_common.format_markdown([record])
+    assert "| TFLOP/s | % peak |" in markdown and "Matmul peak in the same run: float32" in markdown
 
 
 def test_no_peers_times_eager_and_ours_only(tmp_path, monkeypatch, capsys):
