@@ -157,7 +157,9 @@ def _row(method, seq, inputs, error, first_seconds, skip_reason, seconds, baseli
 
 # The FLOPs a row's TFLOP/s counts (bench_suite.FLOP_FORMULA's inference part).
 FLOPS_NOTE = ("model FLOPs of the padded batch (per layer 2*N*H*3H + 4*B*L^2*H + 2*N*H*H + 4*N*H*F, "
-              "N = B*L tokens) / median latency; skip_padding is credited with them too")
+              "N = B*L tokens) / median latency, for every method: those that skip the padded tokens "
+              "(skip_padding, torch_transformer's nested tensors) are credited with them too, so they "
+              "can pass 100% of the peak")
 
 
 def format_table(rows, matmul_peak=None):
