@@ -10,7 +10,9 @@ Runs, on the same weights and the same inputs:
   fast_skip_padding  FastBERTEncoder(skip_padding=True)
 
 Each row gives its speedup against eager and against the best peer: the fastest of the methods
-that are not bert_fast's (eager, compile and PyTorch's own fast paths) at that length.
+that are not bert_fast's (eager, compile and PyTorch's own fast paths) at that length; and its
+model TFLOP/s with their share of the hardware's peak, as the rate of one large square matmul
+timed in the same run (bench_suite.measure_matmul_peak).
 
 Shared machines are noisy, so the methods are timed interleaved: every round calls each
 method once (the order rotates from round to round), and the median and p90 come from the
