@@ -52,6 +52,14 @@ def bench_case(request):
     return BenchCase(shape, device, models, inputs, reference_output)
 
 
+@pytest.fixture(scope="session")
+def fp32_matmul_peak():
+    """TFLOP/s of one square fp32 matmul on the benchmarks' device (timed once a session): the
+    peak each forward's model TFLOP/s are a share of (as the CLI's % peak)."""
+    device = default_device()
+    return bench_suite.measure_matmul_peak("float32", device, bench_suite.default_matmul_size(device, "float32"))
+
+
 # --------------------------------------------------------------------------- the GPU matrix
 # test_gpu_matrix.py: bench_suite's workloads, one test per (preset, dtype, shape, method).
 
