@@ -144,14 +144,14 @@ def _row(method, seq, inputs, error, first_seconds, skip_reason, seconds, baseli
     if skip_reason is not None:
         return row
     median, p90 = np.percentile(seconds, [50, 90])
+    tflops = flops / median / 1e12
     row.update(
         latencies_ms=[1e3 * s for s in seconds], median_ms=1e3 * median, p90_ms=1e3 * p90,
         valid_tokens_per_s=valid_tokens / median, padded_tokens_per_s=batch * seq / median,
         speedup_vs_eager=(baseline_median / median) if baseline_median else None,
         ours=method.ours, best_peer=best_peer,
         speedup_vs_best_peer=(best_peer_median / median) if best_peer_median else None,
-        model_tflops=flops / median / 1e12,
-        pct_of_matmul_peak=100 * flops / median / 1e12 / matmul_peak_tflops if matmul_peak_tflops else None,
+        model_tflops=tflops, pct_of_matmul_peak=100 * tflops / matmul_peak_tflops if matmul_peak_tflops else None,
         max_abs_err=error,
         error_positions="valid" if method.valid_positions_only else "all")
     return row
