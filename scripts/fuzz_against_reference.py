@@ -41,13 +41,10 @@ import torch  # noqa: E402
 
 from bert_fast import FastBERTEncoder, cuda_graph, reference  # noqa: E402
 from bert_fast.ops._triton import kernels_on_cpu  # noqa: E402
+from bert_fast.peers import valid_position_mask  # noqa: E402
+from tests.helpers import max_err as max_diff  # noqa: E402
 
 TOLERANCE = 2e-4
-
-
-def max_diff(a, b):
-    diff = (a.double() - b.double()).abs()
-    return diff.max().item() if diff.numel() else 0.0
 
 
 def kernels_if(interpreted):
@@ -72,13 +69,6 @@ def lengths(rng, form, batch, seqlen):
                              for _ in range(batch)])
     return torch.tensor([[rng.choice([0.0, 1.0, float(rng.randint(0, seqlen)), rng.uniform(-1, seqlen + 2)])
                           for _ in range(seqlen)] for _ in range(batch)])
-
-
-def valid_positions(valid_lens, batch, seqlen):
-    """(B, L, 1): key j of row b is valid iff float32(j) < valid_len (None: all)."""
-    if valid_lens is None:
-        return torch.ones(batch, seqlen, 1, dtype=torch.bool)
-    return (torch.arange(seqlen, dtype=torch.float32)[None, :] < valid_lens.float()[:, None])[..., None]
 
 
 def compare_gradients(expected, actual, problems, tolerance=TOLERANCE, prefix=""):
@@ -127,7 +117,9 @@ def encoder_case(rng, case):
     with kernels_if(backend == "interpreter"):
         out = fast(tokens, segments, valid_lens)
     want = expected(tokens, segments, valid_lens)
-    valid = valid_positions(valid_lens, batch, seqlen) if skip else valid_positions(None, batch, seqlen)
+    # skip_padding: valid positions only (its padded outputs are zeros by design).
+    valid = (valid_position_mask(valid_lens, tokens) if skip and valid_lens is not None
+             else torch.ones(batch, seqlen, dtype=torch.bool))[..., None]
     problems = []
     if out.shape != want.shape:
         return what, [f"output shape {tuple(out.shape)}, expected {tuple(want.shape)}"]
