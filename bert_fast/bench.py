@@ -40,7 +40,6 @@ import numpy as np
 import torch
 
 from . import bench_suite, host_bench
-from .bench_suite import encoder_flops
 from .backend import BACKENDS, resolve_backend
 from .bench_common import (BASELINE, DTYPES, PRESETS, Progress, build_models, check_plot_path, device_option,
                            environment_info, first_call, make_inputs, max_error,
@@ -128,7 +127,7 @@ def run_benchmark(models, *, batch, seqs, min_len_frac, seed, repeats, warmup, d
             error, first_seconds, skip_reason = first_calls[method.name]
             rows.append(_row(method, seq, inputs, error, first_seconds, skip_reason,
                              seconds.get(method.name), medians.get(BASELINE), best_peer,
-                             medians.get(best_peer), encoder_flops(models.config, batch, seq),
+                             medians.get(best_peer), bench_suite.encoder_flops(models.config, batch, seq),
                              matmul_peak_tflops))
     if progress:
         progress.close()
@@ -409,7 +408,7 @@ def main(argv=None):
           f"{args.dtype}, eval; {environment_info(device)['device_name']} "
           f"({device}, {torch.get_num_threads()} threads)", flush=True)
     # The rate the rows' TFLOP/s are set against: one square matmul in the run's dtype, timed
-    # before the models (on a 2-core CPU ~0.2 s at 1024³ fp32).
+    # before the methods' rounds (on a 2-core CPU ~0.2 s at 1024³ fp32).
     matmul_peak = bench_suite.measure_matmul_peak(args.dtype, device, bench_suite.default_matmul_size(device, args.dtype))
     progress = Progress()
     rows = run_benchmark(models, batch=args.batch, seqs=args.seq, min_len_frac=args.min_len_frac,
