@@ -112,8 +112,10 @@ class _AheadOfTimeLaunch:
         self.kernel, self.session = kernel, session
 
     def __getitem__(self, grid):
-        def compile_for_target(*args, **kwargs):
-            compiled = self.kernel.warmup(*args, grid=grid, **kwargs)
+        from .ops._triton import with_pinned_options
+
+        def compile_for_target(*args, **kwargs):     # with the eager launches' options
+            compiled = self.kernel.warmup(*args, grid=grid, **with_pinned_options(kwargs))
             self.session.add(self.kernel, compiled)
         return compile_for_target
 

@@ -78,10 +78,15 @@ def test_traced_launch_goes_into_the_graph():
     assert seen == [True, True]
 
 
-def _run_child(args, timeout):
+def _run_child(args, timeout, **env_changes):
     """Run Python with ``args`` from the repository root without TRITON_INTERPRET (so kernels
-    compile for a GPU target); the JSON of its last output line."""
+    compile for a GPU target); the JSON of its last output line. ``env_changes``: variables to
+    set, or with None to remove."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for name, value in env_changes.items():
+        env.pop(name, None)
+        if value is not None:
+            env[name] = value
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
     child = subprocess.run([sys.executable, *args], env=env, cwd=root, capture_output=True, text=True,
@@ -91,11 +96,11 @@ def _run_child(args, timeout):
 
 
 _CHILD = textwrap.dedent("""
-    import json, torch
+    import json, warnings, torch
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
     from triton.runtime.jit import JITFunction
     from bert_fast import FastBERTEncoder, host_bench
-    from bert_fast.ops import attention
+    from bert_fast.ops import _triton, attention
     from tests.helpers import encoder_config, random_inputs
     assert isinstance(attention._attention_fwd_kernel, JITFunction), "TRITON_INTERPRET is set"
     encoder = FastBERTEncoder(**encoder_config(num_heads=2, head_dim=16, num_layers=2, ffn=48,
@@ -103,7 +108,8 @@ _CHILD = textwrap.dedent("""
     tokens, segments = random_inputs(2, 11, 50)
     valid_lens = torch.tensor([4.0, 11.0])
     counts = {}
-    with host_bench.gpu_launch_path(host_bench.GPU_PATH_ARCH):     # Triton's own launcher runs too
+    with host_bench.gpu_launch_path(host_bench.GPU_PATH_ARCH), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")         # Triton's launcher runs too, and compiles for sm_90
         for mode in ("inference", "training"):
             encoder.train(mode == "training")
             entries, launches = len(kernel_side_table.constant_args), host_bench._LaunchCounter.launches
@@ -113,25 +119,39 @@ _CHILD = textwrap.dedent("""
                     out.sum().backward()
             counts[mode] = dict(launches=host_bench._LaunchCounter.launches - launches,
                                 side_table_entries=len(kernel_side_table.constant_args) - entries)
-    print(json.dumps(counts))
+    kept = [compiled for launcher in _triton._EAGER_LAUNCHERS.values() if isinstance(launcher, _triton._EagerLauncher)
+            for layout in launcher.layouts.values() if layout is not None for compiled, _ in layout.entries.values()]
+    print(json.dumps(dict(counts=counts, kernels=len(kept),
+                          fp_fusion=sorted({compiled.metadata.enable_fp_fusion for compiled in kept}),
+                          warnings=[str(w.message) for w in caught if "FP_FUSION" in str(w.message)])))
 """)
 
 
-def test_gpu_eager_path_launches_without_the_higher_order_op():
-    counts = _run_child(["-c", _CHILD], timeout=300)
+# TRITON_DEFAULT_FP_FUSION: unset, Triton 3.9 warns at the first compile that left
+# enable_fp_fusion to its default; "0" is Triton 3.10's default.
+@pytest.mark.parametrize("default_fp_fusion", [None, "0"])
+def test_gpu_eager_path_launches_without_the_higher_order_op(default_fp_fusion):
+    """The GPU eager path launches through Triton's launcher, not wrap_triton's op, and compiles
+    every kernel with the options it was measured with (_triton.PINNED_OPTIONS), whatever
+    Triton's default, without Triton's warning about that default."""
+    seen = _run_child(["-c", _CHILD], timeout=300, TRITON_DEFAULT_FP_FUSION=default_fp_fusion,
+                      TRITON_FORCE_DISABLE_FP_FUSION=None)
+    counts = seen["counts"]
     # Inference: the embedding sum, then per layer the attention and two add-layernorms (ReLU runs
     # in the GEMM's epilogue). Training adds the backward kernels.
     assert counts["inference"]["launches"] == 1 + 2 * 3, counts
     assert counts["training"]["launches"] > counts["inference"]["launches"], counts
-    for mode, seen in counts.items():
-        assert seen["side_table_entries"] == 0, (
-            f"{mode}: {seen['side_table_entries']} launches went through wrap_triton's higher-order op")
+    for mode, mode_counts in counts.items():
+        assert mode_counts["side_table_entries"] == 0, (
+            f"{mode}: {mode_counts['side_table_entries']} launches went through wrap_triton's higher-order op")
+    assert seen["kernels"] >= 5 and seen["fp_fusion"] == [True], seen
+    assert seen["warnings"] == [], seen["warnings"]
 
 
 # Every eager launch of the GPU path is checked against Triton's own launcher: the launch that
 # _EagerLauncher makes (from its cache, or through Triton on a kind of call's first launch) and
-# then Triton's launcher on the same arguments must reach the driver with the same CompiledKernel,
-# grid and arguments. The driver's launches are recorded, never made (host_bench.gpu_launch_path).
+# then Triton's launcher on the same arguments (and _triton.PINNED_OPTIONS) must reach the
+# driver with the same CompiledKernel, grid and arguments. The driver's launches are recorded, never made (host_bench.gpu_launch_path).
 _CACHE_CHILD = textwrap.dedent("""
     import functools, json, torch
     import triton, triton.language as tl
@@ -160,7 +180,7 @@ _CACHE_CHILD = textwrap.dedent("""
     def checked(self, grid, *args, **kwargs):
         start = len(records)
         eager_launch(self, grid, *args, **kwargs)
-        self.kernel[grid](*args, **kwargs)
+        self.kernel[grid](*args, **_triton.with_pinned_options(kwargs))
         assert len(records) == start + 2, records[start:]
         assert same(records[start], records[start + 1]), (self.kernel.fn.__name__, records[start:], kwargs)
         tally["launches"] += 1
@@ -311,6 +331,18 @@ def test_host_cdiv_and_next_power_of_2_are_tritons():
             assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
 
 
+class _TritonsLauncher:
+    """Every launch of ``kernel`` through Triton's launcher, with the eager launches' options."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        from bert_fast.ops._triton import with_pinned_options
+        launch_on_grid = self.kernel[grid]
+        return lambda *args, **kwargs: launch_on_grid(*args, **with_pinned_options(kwargs))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_kept_kernel_launches_match_tritons_launcher(dtype, monkeypatch):
@@ -338,7 +370,7 @@ def test_gpu_kept_kernel_launches_match_tritons_launcher(dtype, monkeypatch):
                        torch.randint(1, 38, (3, 37), device="cuda")):
         kept = [run(valid_lens) for _ in range(2)][-1]          # the second call: kept kernels
         with monkeypatch.context() as patch:
-            patch.setattr(_triton, "eager_launcher", lambda kernel: kernel)     # Triton's launcher
+            patch.setattr(_triton, "eager_launcher", _TritonsLauncher)
             tritons = run(valid_lens)
         for index, (a, b) in enumerate(zip(kept, tritons)):
             if a is None or b is None:      # pos_embedding: read through .data, as the book does

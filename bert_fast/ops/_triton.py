@@ -187,6 +187,22 @@ def _jit_function(kernel):
     return isinstance(kernel, JITFunction)
 
 
+# Triton compile options every eager launch gives instead of leaving them to Triton's defaults:
+# what the kernels were written, tuned and measured with. enable_fp_fusion (a*b+c contracted to
+# one FMA): on by default up to Triton 3.9, which warns once a process that it is unset ("the
+# default will change to DISABLED in Triton 3.10"), off from 3.10, where it would make every
+# kernel's arithmetic slower and its rounding other than what the tests checked.
+# TRITON_FORCE_DISABLE_FP_FUSION=1 still turns it off (Triton's own switch). A launch that names
+# an option itself keeps its value. Under torch.compile Inductor compiles the kernels with its
+# own options.
+PINNED_OPTIONS = {"enable_fp_fusion": True}
+
+
+def with_pinned_options(kwargs):
+    """A launch's keyword arguments with PINNED_OPTIONS added where it does not name them."""
+    return {**PINNED_OPTIONS, **kwargs}
+
+
 # Scalar argument types whose values go into an _EagerLauncher key as they are.
 _KEYED_SCALARS = (int, bool, float, str, type(None))
 
@@ -232,7 +248,8 @@ class _EagerLauncher:
 
     def __getitem__(self, grid):
         if callable(grid):              # a grid of the launch's arguments: Triton works it out
-            return self.kernel[grid]
+            launch_on_grid = self.kernel[grid]
+            return lambda *args, **kwargs: launch_on_grid(*args, **with_pinned_options(kwargs))
         return functools.partial(self.launch, grid)
 
     def launch(self, grid, *args, **kwargs):
@@ -267,7 +284,7 @@ class _EagerLauncher:
 
     def first_launch(self, grid, args, kwargs):
         """Triton's launcher; the CompiledKernel it returns is kept when later calls may reuse it."""
-        compiled = self.kernel[grid](*args, **kwargs)
+        compiled = self.kernel[grid](*args, **with_pinned_options(kwargs))
         if not isinstance(compiled, self.compiled_type) or self.kernel.pre_run_hooks:
             return compiled          # (not a CompiledKernel: a tool's stand-in for Triton's launcher)
         if not all(hasattr(compiled, name) for name in ("run", "function", "packed_metadata", "launch_metadata")):
