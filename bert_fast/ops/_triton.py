@@ -193,8 +193,8 @@ def _jit_function(kernel):
 # default will change to DISABLED in Triton 3.10"), off from 3.10, where it would make every
 # kernel's arithmetic slower and its rounding other than what the tests checked.
 # TRITON_FORCE_DISABLE_FP_FUSION=1 still turns it off (Triton's own switch). A launch that names
-# an option itself keeps its value. Under torch.compile Inductor compiles the kernels with its
-# own options.
+# an option itself keeps its value. Under torch.compile Inductor compiles the kernels with
+# Triton's defaults (torch 2.13 names the option for Inductor's own kernels only).
 PINNED_OPTIONS = {"enable_fp_fusion": True}
 
 
