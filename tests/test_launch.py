@@ -153,7 +153,7 @@ def test_gpu_eager_path_launches_without_the_higher_order_op(default_fp_fusion):
 # then Triton's launcher on the same arguments (and _triton.PINNED_OPTIONS) must reach the
 # driver with the same CompiledKernel, grid and arguments. The driver's launches are recorded, never made (host_bench.gpu_launch_path).
 _CACHE_CHILD = textwrap.dedent("""
-    import functools, json, torch
+    import functools, json, os, torch
     import triton, triton.language as tl
     from triton.compiler.compiler import CompiledKernel
     from bert_fast import FastBERTEncoder, host_bench
@@ -220,6 +220,13 @@ _CACHE_CHILD = textwrap.dedent("""
         probe_calls()
         _triton.eager_launcher(probe).direct = False         # the CompiledKernel's own launcher (newer Tritons)
         probe_calls()
+        # A grid given as a function goes to Triton's launcher, with the pinned options: fusion on
+        # where Triton's default is off.
+        os.environ["TRITON_DEFAULT_FP_FUSION"] = "0"
+        start = len(records)
+        _triton.launch(probe, torch.zeros(80))[lambda meta: (1,)](torch.zeros(80), None, 3, 1.0, True, BLOCK=64)
+        assert len(records) == start + 1 and records[-1][0].metadata.enable_fp_fusion, records[start:]
+        del os.environ["TRITON_DEFAULT_FP_FUSION"]
         for seqlen, valid_lens in ((11, torch.tensor([4.0, 11.0])), (11, None), (16, torch.tensor([3, 16])),
                                    (16, torch.tensor([[2.0] * 16, [16.0] * 16]))):
             encoder = FastBERTEncoder(**encoder_config(num_heads=2, head_dim=16, num_layers=2, ffn=48,
@@ -338,9 +345,8 @@ class _TritonsLauncher:
         self.kernel = kernel
 
     def __getitem__(self, grid):
-        from bert_fast.ops._triton import with_pinned_options
-        launch_on_grid = self.kernel[grid]
-        return lambda *args, **kwargs: launch_on_grid(*args, **with_pinned_options(kwargs))
+        from bert_fast.ops._triton import pinned
+        return pinned(self.kernel[grid])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -203,6 +203,11 @@ def with_pinned_options(kwargs):
     return {**PINNED_OPTIONS, **kwargs}
 
 
+def pinned(launch_on_grid):
+    """``launch_on_grid`` (Triton's ``kernel[grid]``) called with PINNED_OPTIONS added."""
+    return lambda *args, **kwargs: launch_on_grid(*args, **with_pinned_options(kwargs))
+
+
 # Scalar argument types whose values go into an _EagerLauncher key as they are.
 _KEYED_SCALARS = (int, bool, float, str, type(None))
 
@@ -248,8 +253,7 @@ class _EagerLauncher:
 
     def __getitem__(self, grid):
         if callable(grid):              # a grid of the launch's arguments: Triton works it out
-            launch_on_grid = self.kernel[grid]
-            return lambda *args, **kwargs: launch_on_grid(*args, **with_pinned_options(kwargs))
+            return pinned(self.kernel[grid])
         return functools.partial(self.launch, grid)
 
     def launch(self, grid, *args, **kwargs):
