@@ -151,7 +151,8 @@ def test_gpu_eager_path_launches_without_the_higher_order_op(default_fp_fusion):
 # Every eager launch of the GPU path is checked against Triton's own launcher: the launch that
 # _EagerLauncher makes (from its cache, or through Triton on a kind of call's first launch) and
 # then Triton's launcher on the same arguments (and _triton.PINNED_OPTIONS) must reach the
-# driver with the same CompiledKernel, grid and arguments. The driver's launches are recorded, never made (host_bench.gpu_launch_path).
+# driver with the same CompiledKernel, grid and arguments. The driver's launches are recorded,
+# never made (host_bench.gpu_launch_path).
 _CACHE_CHILD = textwrap.dedent("""
     import functools, json, os, torch
     import triton, triton.language as tl
