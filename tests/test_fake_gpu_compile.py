@@ -18,6 +18,7 @@ import os
 import pathlib
 import re
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -63,6 +64,32 @@ KERNEL_RESOURCES = [_compiling_for_sm90("-m", "bert_fast.kernel_resources", "--a
 for _child in KERNEL_RESOURCES:
     _child.command += ("--json", str(_child.workdir / "kernels.json"))
 
+# The attention kernels compiled ahead of time for sm_90 (as the eager launchers compile them)
+# at lengths that differ only in what the saved LSE's strides are divisible by, padded and packed:
+# after each length, the number of distinct compiled kernels so far.
+_LENGTHS_CHILD = textwrap.dedent("""
+    import importlib, json, torch
+    from bert_fast import kernel_resources
+    attention = importlib.import_module("bert_fast.ops.attention")
+    heads, head_dim, compiled = 4, 16, {}
+    with kernel_resources.compiling_for(90) as records:
+        for seqlen in (90, 92):          # heads * L: 360, then 368, a multiple of 16; L itself is not
+            qkv = torch.randn(2, seqlen, 3 * heads * head_dim, dtype=torch.bfloat16)
+            lengths = torch.tensor([float(seqlen), seqlen / 2])
+            out, lse = attention._attention_fwd_triton(qkv, lengths, heads, 0.0, None)
+            attention._attention_bwd_triton(out, qkv, out, lse, lengths, heads, 0.0, None)
+            compiled[f"padded L {seqlen}"] = len(records)
+        for total in (90, 96):           # the packed LSE's head stride is the token count
+            cu_seqlens = torch.tensor([0, 45, total], dtype=torch.int32)
+            qkv = torch.randn(total, 3 * heads * head_dim, dtype=torch.bfloat16)
+            max_seqlen = max(45, total - 45)            # 45, then 51: neither a multiple of 16
+            out, lse = attention._varlen_attention_fwd_triton(qkv, cu_seqlens, heads, max_seqlen, 0.0, None)
+            attention._varlen_attention_bwd_triton(out, qkv, out, lse, cu_seqlens, heads, max_seqlen, 0.0, None)
+            compiled[f"packed N {total}"] = len(records)
+    print(json.dumps(compiled))
+""")
+ATTENTION_LENGTHS = _compiling_for_sm90("-c", _LENGTHS_CHILD)
+
 
 def _children_of(item):
     """The children a test of this file reads."""
@@ -70,6 +97,8 @@ def _children_of(item):
         return [CHILDREN[item.callspec.params["scenario"]]]
     if item.originalname == "test_every_kernel_compiles_for_gpus_within_their_limits":
         return KERNEL_RESOURCES
+    if item.originalname == "test_a_new_length_compiles_attention_again_only_where_its_code_differs":
+        return [ATTENTION_LENGTHS]
     return []
 
 
@@ -142,6 +171,19 @@ def test_every_kernel_compiles_for_gpus_within_their_limits():
     # The tile table's largest forward tile is held to the limit for real: it needs over half of it.
     attention = [r for r in records if r.kernel == "_attention_fwd_kernel"]
     assert max(r.shared_bytes for r in attention) > kernel_resources.PORTABLE_SHARED_LIMIT // 2
+
+
+@pytest.mark.reads_background
+def test_a_new_length_compiles_attention_again_only_where_its_code_differs():
+    """Triton compiles a kernel again for each new pattern of its integer arguments' divisibility
+    by 16 (and of which are 1). The saved LSE's strides (heads * L; the packed token count) are
+    left unspecialised, because their divisibility changes nothing in the compiled code
+    (ops/attention.py): a length whose only difference is there compiles nothing new. Without
+    that, L 92 after L 90 compiled the three attention kernels again, and so did 96 packed tokens
+    after 90."""
+    compiled = json.loads(ATTENTION_LENGTHS.stdout().splitlines()[-1])
+    # forward, dQ and dK/dV: three kernels padded, three more packed (IS_VARLEN), none again
+    assert compiled == {"padded L 90": 3, "padded L 92": 3, "packed N 90": 6, "packed N 96": 6}, compiled
 
 
 def test_violations_name_the_kernel_and_the_limit():

@@ -207,6 +207,16 @@ _MAX_HEAD_DIM = 256
 _MAX_DROPOUT_SEQLEN = 65536      # the Philox counter i * L + j must fit 32 bits
 _MAX_GRID_Y = 65535              # CUDA's limit on the second grid axis (batch * heads)
 
+# The saved LSE's strides (heads * L and L; N for packed tokens) are not specialised: Triton
+# would otherwise compile each attention kernel again whenever their divisibility by 16 changes
+# with the length (L 92 after L 90 at 12 heads: 4.7 s of compiling a training step on first use),
+# for the same code: compiled for sm_90 without the specialisation, every kernel's PTX is byte
+# for byte one that the specialised kernel compiles to, at every dtype, mask form, packed or
+# padded, with and without dropout (2026-11-29, over kernel_resources' workload at L 19, 20
+# and 24). The other length-dependent integers do change the code (the row kernels' row count
+# and the ids' strides vectorise loads; max_seqlen removes mask compares) and stay specialised.
+_UNSPECIALISED_LSE_STRIDES = ["stride_lse_b", "stride_lse_h"]
+
 
 @triton.jit
 def _sequence_span(cu_seqlens, b, max_seqlen, IS_VARLEN: tl.constexpr):
@@ -242,7 +252,7 @@ def _split_lse(lse):
     return hi, (lse2 - hi.to(tl.float64)).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_UNSPECIALISED_LSE_STRIDES)
 def _attention_fwd_kernel(
         qkv, out, lse, visible_counts, cu_seqlens,
         stride_qkv_b, stride_qkv_l, stride_qkv_f,
@@ -318,7 +328,7 @@ def _attention_fwd_kernel(
                  m_i.to(tl.float64) * _LN2 + tl.log(l_i).to(tl.float64), mask=query_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_UNSPECIALISED_LSE_STRIDES)
 def _attention_bwd_dkdv_kernel(
         qkv, out, dout, lse, delta, dqkv, visible_counts, cu_seqlens,
         stride_qkv_b, stride_qkv_l, stride_qkv_f,
@@ -425,7 +435,7 @@ def _attention_bwd_dkdv_kernel(
     tl.store(dqkv + 2 * hidden * stride_dqkv_f + d_offsets, dv.to(dqkv.dtype.element_ty), mask=kv_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_UNSPECIALISED_LSE_STRIDES)
 def _attention_bwd_dq_kernel(
         qkv, out, dout, lse, delta, dqkv, visible_counts, cu_seqlens,
         stride_qkv_b, stride_qkv_l, stride_qkv_f,
