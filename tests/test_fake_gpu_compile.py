@@ -7,6 +7,8 @@ Triton compiles them for real, for sm_90 (H100), in child processes without TRIT
     gives them. The H100 run of 2026-11-23 failed here ("InductorError: SubprocException");
   * through the eager launchers: every kernel at every tile configuration the launchers pick
     (bert_fast.kernel_resources), held to the shared-memory and register-spill limits.
+  * what a new sequence length compiles again: the attention kernels, at lengths whose only
+    difference is in arguments left unspecialised, nothing.
 Each child's compiled kernels land in a Triton cache of its own, where the test finds one cubin
 per kernel it expects, compiled for sm_90. The children start when collection ends
 (conftest.py) and run beside the rest of the suite; the tests that read them run last.
