@@ -172,7 +172,7 @@ def build_extension(verbose=True, with_cuda=None):
         except Exception as e:
             raise RuntimeError(
                 f"building the bert_fast extension failed: {e}\n"
-                "It needs a C++17 compiler and ninja (pip install ninja); the CUDA ops also need the CUDA "
+                "It needs a C++20 compiler and ninja (pip install ninja); the CUDA ops also need the CUDA "
                 "toolkit (nvcc, CUDA_HOME) matching torch.version.cuda. Build without the CUDA ops with "
                 "bert_fast.build_extension(with_cuda=False); the torch and triton backends work without "
                 "the extension.") from e

@@ -91,7 +91,7 @@ def main(argv=None):
         problem = installed_extension_problem()
         if problem:
             print(f"error: {problem}. The install did not build it: rerun "
-                  "`pip install --no-build-isolation -e .` and read its output (a C++17 compiler is needed; "
+                  "`pip install --no-build-isolation -e .` and read its output (a C++20 compiler is needed; "
                   "BERT_FAST_SKIP_EXTENSION=1 installs without it on purpose).", file=sys.stderr)
             return 1
     return 0

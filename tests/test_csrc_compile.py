@@ -24,6 +24,10 @@ CUDA_SOURCES = sorted(CSRC.glob("*.cu"))
 # (virtual arch, what nvcc makes of it): machine code for sm_90, PTX for sm_80.
 GENCODES = (("compute_80", "compute_80"), ("compute_90", "sm_90"))
 NVCC = shutil.which("nvcc")
+# The standard torch.utils.cpp_extension builds extensions with (setup.py names none): C++20 in
+# torch 2.13 and 2.14. 2.13's headers still parsed as C++17; 2.14's do not ("'strong_ordering' in
+# namespace 'std' does not name a type"), so a check in C++17 failed there where no build did.
+CXX_STANDARD = "-std=c++20"
 
 
 def _cuda_include_dir():
@@ -54,7 +58,7 @@ def _nvcc(source):
     # a host function called from a kernel still fail it). add_layernorm.cu took 90 s of one
     # core at -O3 and takes 25 s so (2026-11-28). setup.py's build is optimised.
     device_o0 = ["-Xcicc", "-O0", "-Xptxas", "-O0"]
-    compile_ = BackgroundProcess([NVCC, "-c", "-std=c++17", "-O3", *device_o0, *gencode, "-I", str(CSRC), str(source)])
+    compile_ = BackgroundProcess([NVCC, "-c", CXX_STANDARD, "-O3", *device_o0, *gencode, "-I", str(CSRC), str(source)])
     compile_.command += ["-o", str(compile_.workdir / (source.stem + ".o"))]
     return compile_
 
@@ -90,5 +94,5 @@ def test_cuda_glue_is_valid_cpp_against_the_torch_headers(tmp_path):
     include_dirs = [*include_paths(), _cuda_include_dir(), str(CSRC), str(tmp_path)]
     includes = [flag for path in include_dirs for flag in ("-I", path)]
     compiler = os.environ.get("CXX", "c++")
-    _run([compiler, "-fsyntax-only", "-std=c++17", *includes,
+    _run([compiler, "-fsyntax-only", CXX_STANDARD, *includes,
           str(CSRC / "cuda_ops.cpp")])
