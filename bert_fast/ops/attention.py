@@ -212,9 +212,10 @@ _MAX_GRID_Y = 65535              # CUDA's limit on the second grid axis (batch *
 # with the length (L 92 after L 90 at 12 heads: 4.7 s of compiling a training step on first use),
 # for the same code: compiled for sm_90 without the specialisation, every kernel's PTX is byte
 # for byte one that the specialised kernel compiles to, at every dtype, mask form, packed or
-# padded, with and without dropout (2026-11-29, over kernel_resources' workload at L 19, 20
-# and 24). The other length-dependent integers do change the code (the row kernels' row count
-# and the ids' strides vectorise loads; max_seqlen removes mask compares) and stay specialised.
+# padded, with and without dropout (2026-11-29, kernel_resources' workload at 12 heads of 64,
+# L 19, 20 and 24). Other length-dependent integers do change the code and stay specialised:
+# max_seqlen here (mask compares), the row count and the ids' strides of the row kernels
+# (vectorised loads).
 _UNSPECIALISED_LSE_STRIDES = ["stride_lse_b", "stride_lse_h"]
 
 
