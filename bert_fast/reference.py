@@ -17,9 +17,15 @@ MASK_VALUE = -1e6
 
 
 def sequence_mask(X, valid_len, value=0.0):
-    """Set ``X[i, j] = value`` where ``float(j) >= valid_len[i]`` (in place, returns X)."""
+    """Set ``X[i, j] = value`` where ``float(j) >= valid_len[i]`` (in place, returns X).
+
+    A value X's dtype cannot hold (the -1e6 fill in fp16) is stored as what casting it gives
+    (-inf), as every torch before 2.15 stored it: 2.15's scalar fills refuse such a value with
+    "cannot be converted ... without overflow", which would make the book's code raise in fp16."""
     maxlen = X.size(1)
     mask = torch.arange(maxlen, dtype=torch.float32, device=X.device)[None, :] < valid_len[:, None]
+    if X.is_floating_point() and abs(value) > torch.finfo(X.dtype).max:
+        value = torch.tensor(value).to(X.dtype).item()
     X[~mask] = value
     return X
 

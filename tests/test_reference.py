@@ -21,6 +21,22 @@ def test_masked_softmax_rules():
     assert torch.allclose(p[1, 0], torch.full((5,), 0.2))
 
 
+def test_the_fill_in_fp16_is_what_its_cast_gives_on_every_torch():
+    """-1e6 does not fit fp16: torch before 2.15 stored the scalar fill as -inf, 2.15 refuses
+    it ("cannot be converted to type c10::Half without overflow"). The reference keeps the
+    first on every torch, so its fp16 baseline (a row that sees no key is NaN) stays one thing."""
+    scores = torch.randn(2, 1, 3).half()
+    p = R.masked_softmax(scores.clone(), torch.tensor([2, 0]))
+    masked = R.sequence_mask(scores.reshape(2, 3).clone(), torch.tensor([2, 0]), R.MASK_VALUE)
+    assert masked[0, 2] == -math.inf and torch.all(masked[1] == -math.inf)
+    assert torch.equal(masked[0, :2], scores[0, 0, :2])
+    assert torch.all(p[0, 0, 2] == 0) and torch.isnan(p[1]).all()
+    # Values the dtype holds are stored as given; bf16 holds -1e6 (rounded to its precision).
+    assert R.sequence_mask(scores.reshape(2, 3).clone(), torch.tensor([2, 0]), -7.0)[1, 0] == -7.0
+    assert R.sequence_mask(torch.zeros(1, 2, dtype=torch.bfloat16), torch.tensor([1]), R.MASK_VALUE)[0, 1] == \
+        torch.tensor(R.MASK_VALUE).bfloat16()
+
+
 def test_state_dict_keys_and_shapes():
     cfg = encoder_config(num_heads=2, head_dim=8, num_layers=2)
     enc = R.BERTEncoder(**cfg)
