@@ -33,7 +33,7 @@ def compile_time_constant(fn):
     traces a call of it, and puts its result in the graph as a constant. Set here by hand because
     ``torch.compiler.assume_constant_result`` imports torch._dynamo (~1.5 s on the CI machine's
     CPU), which neither ``import bert_fast`` nor eager calls otherwise need; the attribute is the
-    whole of what that decorator does (torch 2.0 to 2.13). tests/test_compile.py's fresh-process
+    whole of what that decorator does (torch 2.0 to 2.15). tests/test_compile.py's fresh-process
     tests compile with fullgraph before anything else ran: they fail if Dynamo stops honouring it."""
     fn._dynamo_marked_constant = True
     return fn
