@@ -12,7 +12,7 @@ Runs, on the same weights and the same inputs:
 Each row gives its speedup against eager and against the best peer: the fastest of the methods
 that are not bert_fast's (eager, compile and PyTorch's own fast paths) at that length; and its
 model TFLOP/s with their share of the hardware's peak, as the rate of one large square matmul
-timed in the same run (bench_suite.measure_matmul_peak).
+timed in the same run, its fastest of 20 calls (bench_suite.measure_matmul_peak).
 
 Shared machines are noisy, so the methods are timed interleaved: every round calls each
 method once (the order rotates from round to round), and the median and p90 come from the
@@ -44,7 +44,7 @@ from .backend import BACKENDS, resolve_backend
 from .bench_common import (BASELINE, DTYPES, PRESETS, Progress, build_models, check_plot_path, device_option,
                            environment_info, first_call, make_inputs, max_error,
                            add_record_options, plot_from_json, plot_speedup, record_path_for, replace_generated_table,
-                           table_from_files, time_interleaved, write_json)
+                           matmul_peak_words, table_from_files, time_interleaved, write_json)
 
 # Default lengths and rounds per preset. A forward of the small presets takes milliseconds, so
 # more rounds are cheap and the first ones still carry start-up effects; base (about 1 s a
@@ -192,8 +192,7 @@ def format_table(rows, matmul_peak=None):
     out = [render(header), "-" * len(render(header))] + [render(line) for line in lines]
     timed = [row for row in rows if row["skipped"] is None]
     peak_words = ("the matmul peak, not measured" if matmul_peak is None else
-                  f"one {matmul_peak['n']}³ {matmul_peak['dtype']} matmul timed in the same run: "
-                  f"{matmul_peak['tflops']:.3g} TFLOP/s")
+                  f"a matmul timed in the same run: {matmul_peak_words(matmul_peak)}")
     if timed:
         rounds = len(timed[0]["latencies_ms"])
         out.append(f"median and p90 over {rounds} interleaved rounds; valid tok/s = valid tokens "

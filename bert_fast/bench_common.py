@@ -505,7 +505,7 @@ def main_record_markdown(record):
     peak = record.get("matmul_peak")
     rates = peak is not None
     if rates:
-        caption += f"\nMatmul peak in the same run: {peak['dtype']} {peak['tflops']:.3g} TFLOP/s ({peak['n']}³)."
+        caption += f"\nMatmul peak in the same run: {matmul_peak_words(peak)}."
     columns = ["method", "L", "median ms", "p90 ms", "valid tok/s", "vs eager", "vs best peer",
                *(["TFLOP/s", "% peak"] if rates else []), "max abs err vs fp32 eager"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -579,9 +579,15 @@ def _group_heading(rows):
             f"{first['valid_tokens']} of {first['padded_tokens']} tokens valid ({share:.0f}%){best_text}")
 
 
+def matmul_peak_words(peak):
+    """How a record's matmul peak reads in a caption: 'float32 0.25 TFLOP/s (1024³, fastest of 20 calls)'."""
+    how = f", fastest of {peak['calls']} calls" if "fastest_ms" in peak else ", median of 10 calls"
+    return f"{peak['dtype']} {peak['tflops']:.3g} TFLOP/s ({peak['n']}³{how})"
+
+
 def _caption(record):
     env = record["environment"]
-    peaks = ", ".join(f"{p['dtype']} {p['tflops']:.3g} TFLOP/s ({p['n']}³)" for p in record["matmul_peaks"])
+    peaks = ", ".join(matmul_peak_words(peak) for peak in record["matmul_peaks"])
     return (f"Measured on **{env['device_name']}** ({env['device']}), {record['date']}: torch {env['torch']}, "
             f"triton {env['triton']}, CUDA {env['cuda']}{_code_versions(env)}, auto backend {env['auto_backend']}, "
             f"extension {env['extension']}. Matmul peak in the same run: {peaks}.\n"
