@@ -566,8 +566,8 @@ def measure_matmul_peak(dtype_name, device, n, rounds=20, warmup=3):
     ``tflops`` is of the fastest call: a peak is what the hardware can do, and on a shared
     machine a median of a few short calls can catch a slow moment (a CPU VM's median once read
     0.149 TFLOP/s where the same matmul gave 0.22-0.25 minutes later, and the eager encoder ran
-    at "116% of peak"). ``median_tflops`` is kept beside it; records before 2026-11-29 (no
-    ``fastest_ms``) took the median of 10 calls.
+    at "116% of peak"). ``median_tflops`` is kept beside it; older records (no ``fastest_ms``)
+    took the median of 10 calls.
     """
     dtype = DTYPES[dtype_name]
     a = torch.randn(n, n, device=device, dtype=dtype)
@@ -579,7 +579,6 @@ def measure_matmul_peak(dtype_name, device, n, rounds=20, warmup=3):
     flop = 2 * n ** 3
     return dict(dtype=dtype_name, n=n, calls=rounds, median_ms=1e3 * median, fastest_ms=1e3 * fastest,
                 tflops=flop / fastest / 1e12, median_tflops=flop / median / 1e12)
-
 
 
 def peak_memory_mib(forward, inputs, device):
