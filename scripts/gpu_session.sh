@@ -294,6 +294,11 @@ for step in "$@"; do
         # A BERT-base layer's GEMMs at 128 rows: cuBLAS against Inductor's max-autotune choice
         # (Triton templates): whether a Triton GEMM could cut the B1 L128 graph's GEMM time.
         run small-m-gemm env PYTHONPATH=. python scripts/small_m_gemm.py --rows 128 ;;
+    split-k-gemm)
+        # The same GEMMs split over K into 2, 4, 8 partial GEMMs (cuBLAS strided-batched, fp32
+        # partials): whether more output tiles than 128 rows give would pay at B1 L128 (FFN 2's
+        # 6.8 us on the H100 is ~12 tiles for 132 SMs). Seconds: no compiles.
+        run split-k-gemm env PYTHONPATH=. python scripts/small_m_gemm.py --rows 128 512 --split-k --no-autotune ;;
     ncu-small)
         # Nsight Compute on those forward kernels at 128 rows (Triton's and the extension's):
         # speed of light, launch, warp stalls. Needs ncu on PATH (CUDA's bin) and counter access.
@@ -324,7 +329,7 @@ for step in "$@"; do
         echo "unknown step '$step' (install build tests-gpu tests sanitize sanitize-memcheck sanitize-racecheck" \
              "kernels profile profile-blas profile-graph-call profile-train profile-train-step backward-host-cost" \
              "kernels-small attention-tiles attention-bwd-tiles attention-dropout-tiles layernorm-tiles layernorm-fwd-tiles" \
-             "bias-act-tiles column-sums-tiles loss-curves small-m-gemm ncu-small host host-hf host-skip-padding suite-base" \
+             "bias-act-tiles column-sums-tiles loss-curves small-m-gemm split-k-gemm ncu-small host host-hf host-skip-padding suite-base" \
              "suite-base-fp16 suite-large suite-train matrix)" >&2
         failures=$((failures + 1)) ;;
     esac

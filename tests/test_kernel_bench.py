@@ -287,3 +287,16 @@ def test_graph_timing_on_gpu(monkeypatch):
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
     row = kb.measure(lambda: x.mul(2))
     assert row["timed_by"] == "cuda graph" and row["ms"] > 0, row
+
+
+def test_small_m_gemms_split_over_k_sum_to_the_product():
+    """scripts/small_m_gemm.py --split-k (a GPU probe) times K split into S partial GEMMs read
+    as views of x and the weight: their sum must be the GEMM, else its times are of another one."""
+    from scripts.small_m_gemm import split_k_partials
+    x, weight = torch.randn(16, 96, dtype=torch.float64), torch.randn(40, 96, dtype=torch.float64)
+    for splits in (2, 4, 8):
+        partials = split_k_partials(x, weight, splits)
+        assert partials.shape == (splits, 16, 40)
+        chunk = 96 // splits
+        assert torch.allclose(partials[1], x[:, chunk:2 * chunk] @ weight[:, chunk:2 * chunk].t())
+        assert torch.allclose(partials.sum(0), x @ weight.t())
