@@ -297,7 +297,7 @@ for step in "$@"; do
     split-k-gemm)
         # The same GEMMs split over K into 2, 4, 8 partial GEMMs (cuBLAS strided-batched, fp32
         # partials): whether more output tiles than 128 rows give would pay at B1 L128 (FFN 2's
-        # 6.8 us on the H100 is ~12 tiles for 132 SMs). Seconds: no compiles.
+        # 6.8 us on the H100: 12-24 output tiles for 132 SMs). Seconds: no compiles.
         run split-k-gemm env PYTHONPATH=. python scripts/small_m_gemm.py --rows 128 512 --split-k --no-autotune ;;
     ncu-small)
         # Nsight Compute on those forward kernels at 128 rows (Triton's and the extension's):

@@ -13,14 +13,14 @@ with the weight bytes / time. If the compiled one wins at 128 rows, a Triton GEM
 would too. A GPU-only tool for scripts/gpu_session.sh's `small-m-gemm` step.
 
 It did not (H100, 2026-11-26: QKV 4.26 us compiled vs 3.95, FFN 2 6.79 vs 6.77). Why the GEMMs
-are slow at 128 rows is parallelism: FFN 2 (K 3072, N 768) makes ~12 output tiles of 128 x 64
-for 132 SMs, each walking all of K. ``--split-k`` asks whether splitting K pays: each GEMM as S
-partial GEMMs over K / S (one cuBLAS strided-batched call, fp32 partials where torch.bmm takes
-``out_dtype``) against the plain GEMM, alone and with the partials summed by torch. The sum
-is a separate pass here; in the layer it would be read by the kernel that already follows the
-GEMM (add_layernorm after the output projection and FFN 2, bias_act after FFN 1), so the
-partials column is the GEMM's share of what a split-K layer would cost. ``--no-autotune``
-leaves out the max-autotune column (its compiles take ~30 s).
+are slow at 128 rows is parallelism: FFN 2 (K 3072, N 768) makes 12 output tiles of 128 x 64
+(24 of 64 x 64) for 132 SMs, each walking all of K. ``--split-k`` asks whether splitting K
+pays: each GEMM as S partial GEMMs over K / S (one cuBLAS strided-batched call, fp32 partials
+where torch.bmm takes ``out_dtype``) against the plain GEMM, alone and with the partials summed
+by torch. The sum is a separate pass here; in the layer it would be read by the kernel that
+already follows the GEMM (add_layernorm after the output projection and FFN 2, bias_act after
+FFN 1), so the partials column is the GEMM's share of what a split-K layer would cost.
+``--no-autotune`` leaves out the max-autotune column (its compiles take ~30 s).
 """
 
 import argparse
