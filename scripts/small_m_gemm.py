@@ -60,6 +60,12 @@ def main():
 SPLITS = (2, 4, 8)
 
 
+def operands(rows, k, n, device, dtype):
+    """x (rows, K), a weight (N, K) scaled to keep outputs ~1, a bias (N,)."""
+    return (torch.randn(rows, k, device=device, dtype=dtype),
+            torch.randn(n, k, device=device, dtype=dtype) / k**0.5, torch.randn(n, device=device, dtype=dtype))
+
+
 def split_k_partials(x, weight, splits):
     """(splits, M, N) partial products of x (M, K) @ weight (N, K).T over K / splits each: one
     strided-batched GEMM on views (no copy), fp32 out where torch.bmm takes out_dtype."""
@@ -80,9 +86,7 @@ def split_k_table(rows, device, dtype):
           + " | ".join(f"S={s} partials us | S={s} + sum us" for s in SPLITS)
           + " | max diff of the summed split |\n|---|---|---|" + "---|---|" * len(SPLITS) + "---|")
     for name, k, n, activation in GEMMS:
-        x = torch.randn(rows, k, device=device, dtype=dtype)
-        weight = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
-        bias = torch.randn(n, device=device, dtype=dtype)
+        x, weight, bias = operands(rows, k, n, device, dtype)
         plain = x.float() @ weight.float().t()
         cells, worst = [], 0.0
         try:
@@ -103,9 +107,7 @@ def autotune_table(rows, device, dtype):
     print(f"\n## {rows} rows\n| GEMM | cuBLAS us | max-autotune us | cuBLAS weight TB/s | max-autotune weight TB/s | "
           "max diff |\n|---|---|---|---|---|---|")
     for name, k, n, activation in GEMMS:
-        x = torch.randn(rows, k, device=device, dtype=dtype)
-        weight = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
-        bias = torch.randn(n, device=device, dtype=dtype)
+        x, weight, bias = operands(rows, k, n, device, dtype)
         weight_tb = n * k * 2 / 1e12
         eager = lambda: gemm(x, weight, bias, activation)
         torch._dynamo.reset()
