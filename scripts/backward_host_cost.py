@@ -9,7 +9,8 @@ the backward took 1.9x the host time of the forward and loss for the reference (
 (2026-11-29, fp32, optimize() on the GPU path) 0.9x and 1.3x. The eager training step is
 host-bound on the GPU, so that backward is what keeps it near 1.4x the reference. On the GPU
 autograd runs the backward on its own thread per device; on the CPU in the calling thread. This times the same small CUDA
-ops (an 8x64 @ 64x64 mm, an empty_like, an add) and the same pure-Python loop
+ops (an 8x64 @ 64x64 mm, an empty_like, an add, a view; on CUDA also one of our Triton kernels
+through the eager launcher) and the same pure-Python loop
 
   in the main thread,
   inside a backward (a Function whose backward runs them), autograd's device thread,
@@ -50,13 +51,30 @@ def workloads(device, ops):
         for _ in range(ops):
             a.add(a)
 
+    def view():
+        for _ in range(ops):
+            a.view(64, 8)
+
     def python():
         total = 0
         for i in range(ops * 20):
             total += i
         return total
 
-    return {"mm": mm, "empty_like": empty_like, "add": add, "Python loop (20 adds an op)": python}
+    cases = {"mm": mm, "empty_like": empty_like, "add": add, "view (no allocation, no launch)": view,
+             "Python loop (20 adds an op)": python}
+    if device.type == "cuda":
+        from bert_fast.ops.column_sums import column_sums
+        partials = torch.randn(4, 64, device=device)
+
+        def triton_launch():
+            for _ in range(ops):
+                column_sums(partials, torch.float32)
+
+        # One of our Triton kernels through the eager launcher, with its output's allocation:
+        # against empty_like, what a launch of ours costs the host.
+        cases["column_sums (an empty + our Triton launch)"] = triton_launch
+    return cases
 
 
 class _RunInBackward(torch.autograd.Function):
