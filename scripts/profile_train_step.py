@@ -11,7 +11,9 @@ backward), the optimizer (AdamW's fused kernels), and the rest (the encoder, the
 layers, the NSP head). For issue 13's item 4 (the MLM head's share) and for how far the eager
 step is from its kernels (host-bound where the wall time is well above the kernels' sum). Then,
 without the profiler, the host's time in each phase of the step (zero_grad, forward and loss,
-backward, optimizer step) and the GPU's wait after it: which phase to cut where host-bound.
+backward, optimizer step) and the GPU's wait after it: which phase to cut where host-bound;
+then the same with torch.autograd.set_multithreading_enabled(False) (the backward in the
+calling thread, not autograd's device thread).
 For optimize(), last, how much of the backward's host time is spent inside the fused encoder
 layers' backward (our Python, its launches and GEMM calls; timed by wrapping the functions,
 which sees the autograd engine's device thread, where cProfile would not) and in which of its
@@ -172,9 +174,15 @@ def main():
         print("| part | ms a step | share of kernels |\n|---|---|---|")
         for part, ms in sorted(parts.items(), key=lambda item: -item[1]):
             print(f"| {part} | {ms:.3f} | {100 * ms / total:.1f}% |")
-        phases = host_phases(step, batch, max(options.steps, 10), device)
-        print(f"\nThe host's phases, unprofiled (median of {max(options.steps, 10)} steps): "
-              + ", ".join(f"{phase} {ms:.2f} ms" for phase, ms in phases.items()))
+        for threads in (True, False):
+            # Off: the backward runs in the calling thread, not autograd's device thread (on the
+            # CPU it always does): whether that thread is what makes a GPU's backward cost its
+            # host ~3x the forward (scripts/backward_host_cost.py times it op by op).
+            with torch.autograd.set_multithreading_enabled(threads):
+                phases = host_phases(step, batch, max(options.steps, 10), device)
+            print(f"\nThe host's phases, unprofiled (median of {max(options.steps, 10)} steps"
+                  + ("" if threads else "; autograd's engine threads off") + "): "
+                  + ", ".join(f"{phase} {ms:.2f} ms" for phase, ms in phases.items()))
         if method.startswith("optimize"):
             parts, backward_ms = backward_parts(step, batch, max(options.steps, 10))
             print(f"\nThe backward's host time: median {backward_ms:.2f} ms a step", end="")
