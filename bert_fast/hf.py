@@ -54,9 +54,17 @@ cannot compute, runs HF's code, checked on every call (_Submodules). A hook on a
 the fast path, where the layer's input is laid out as the fast path lays it out: for a mask
 with holes each sequence's attended tokens first, with skip_padding the packed (N, H) tokens.
 
+Gradient checkpointing (HF's activation_checkpointing_enable or gradient_checkpointing_enable,
+Trainer's gradient_checkpointing=True) runs on the fast path: the layers are called through HF's
+wrapper, which checkpoints each one's fused forward (reentrant or not, as HF was asked) and runs
+it again in the backward. The rerun draws the dropout masks of the first run: the fused layer's
+seeds come from the device's generator, whose state torch.utils.checkpoint restores. HF's set-up
+also hooks the word embeddings (_is_input_grads_hook); FastBertEmbeddings does what that hook
+does and stays fused.
+
 Anything else (inputs_embeds, output_attentions, head_mask, past_key_values, cross-attention
-inputs, 3-D/4-D masks, gradient checkpointing in training, unknown keyword arguments) runs HF's
-own forward on the same modules, with one HFFallbackWarning per model and reason. Models the
+inputs, 3-D/4-D masks, unknown keyword arguments) runs HF's own forward on the same modules,
+with one HFFallbackWarning per model and reason. Models the
 fast path cannot express (decoder or cross-attention configs, relative position embeddings,
 activations other than GELU/ReLU, subclasses of the HF classes, ...) are left untouched with a
 warning by optimize().
@@ -213,6 +221,15 @@ def _is_output_capture(hook):
             and getattr(hook, "__module__", "").startswith("transformers."))
 
 
+def _is_input_grads_hook(hook):
+    """transformers' enable_input_require_grads hook (``make_inputs_require_grads``), which its
+    gradient checkpointing and adapter (PEFT) set-ups put on the word embeddings: it makes the
+    lookup's output require grad, so that a reentrant checkpoint passes gradients on to the
+    layers when the embeddings are frozen. FastBertEmbeddings does the same to its output."""
+    return (getattr(hook, "__qualname__", "").endswith("make_inputs_require_grads")
+            and getattr(hook, "__module__", "").startswith("transformers."))
+
+
 def _has_user_hooks(module):
     """Whether ``module`` has a hook (forward, pre-forward, backward) other than transformers'
     output-capturing ones."""
@@ -333,8 +350,8 @@ class FastBertEmbeddings(BertEmbeddings):
         # The three tables and the LayerNorm are read, not called: HF's forward for what that
         # would change (another class put there since optimize(), a hook, a global module hook).
         if (input_ids is None or inputs_embeds is not None or any(args) or any(kwargs.values())
-                or not (_table_read(word, padding_idx_applied=True) and _table_read(positions)
-                        and _table_read(types) and _parameters_read(ln, nn.LayerNorm))):
+                or not (_table_read(word, padding_idx_applied=True, forward_hook_done=self._input_grads_hook_done())
+                        and _table_read(positions) and _table_read(types) and _parameters_read(ln, nn.LayerNorm))):
             return super().forward(input_ids, token_type_ids, position_ids, inputs_embeds, *args, **kwargs)
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
@@ -353,7 +370,18 @@ class FastBertEmbeddings(BertEmbeddings):
                                   ln.weight, ln.bias, ln.eps,
                                   positions=position_ids, padding_idx=word.padding_idx,
                                   backend=backend_of(self.bert_fast_backend, input_ids))
+        if word._forward_hooks and torch.is_grad_enabled() and not out.requires_grad:
+            # (only _is_input_grads_hook's passed _table_read) what it does: the output of a
+            # frozen lookup requires grad; HF's sum and LayerNorm then make this one require it.
+            out.requires_grad_(True)
         return sub["dropout"](out)
+
+    @staticmethod
+    def _input_grads_hook_done():
+        """What the forward takes on itself of the word embeddings' hooks: _is_input_grads_hook's,
+        in eager (Dynamo cannot read a hook's name: under torch.compile it traces HF's forward,
+        hook included)."""
+        return None if torch.compiler.is_compiling() else _is_input_grads_hook
 
 
 class FusedAttentionMask:
@@ -505,8 +533,6 @@ class FastBertModel(BertModel):
                 return f"config.output_hidden_states={selection!r}"
         if attention_mask is not None and attention_mask.dim() != 2:
             return f"a {attention_mask.dim()}-D attention_mask (only 2-D key padding masks are fused)"
-        if self.training and any(getattr(layer, "gradient_checkpointing", False) for layer in self.encoder.layer):
-            return "gradient checkpointing"
         if any(_GLOBAL_HOOKS):
             return "global module hooks (the fast path calls few of the modules)"
         if torch.compiler.is_compiling():

@@ -47,25 +47,29 @@ def _all_plain(modules):
     return True
 
 
-def _parameters_read(module, cls):
+def _parameters_read(module, cls, forward_hook_done=None):
     """Whether a forward may read ``module``'s Parameters instead of calling it: it is a ``cls``
     itself (not a subclass with its own forward, such as a LoRA layer), plain (_all_plain's test,
     inlined: this runs several times a layer), and no global module hook is set. Else the module
-    is called, so what it does, and its hooks, happen as in the reference."""
+    is called, so what it does, and its hooks, happen as in the reference. ``forward_hook_done``:
+    a test of forward hooks whose effect the caller makes itself (those pass)."""
     attributes = module.__dict__
-    return (type(module) is cls and not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                                         or module._backward_pre_hooks or "forward" in attributes
-                                         or "weight" in attributes or "bias" in attributes)
+    forward_hooks = module._forward_hooks
+    return (type(module) is cls
+            and not ((forward_hooks and not (forward_hook_done and all(map(forward_hook_done, forward_hooks.values()))))
+                     or module._forward_pre_hooks or module._backward_hooks
+                     or module._backward_pre_hooks or "forward" in attributes
+                     or "weight" in attributes or "bias" in attributes)
             and not any(_GLOBAL_HOOKS))
 
 
-def _table_read(table, padding_idx_applied=False):
+def _table_read(table, padding_idx_applied=False, forward_hook_done=None):
     """_parameters_read for an nn.Embedding, whose lookup an embedding op then does: not where
     the module's lookup is more than a row read (max_norm renormalises the rows it reads, in
     place; scale_grad_by_freq, sparse and, unless the op applies it, padding_idx change the
     gradient), set at construction or later."""
-    return (_parameters_read(table, nn.Embedding) and table.max_norm is None and not table.scale_grad_by_freq
-            and not table.sparse and (padding_idx_applied or table.padding_idx is None))
+    return (_parameters_read(table, nn.Embedding, forward_hook_done) and table.max_norm is None
+            and not table.scale_grad_by_freq and not table.sparse and (padding_idx_applied or table.padding_idx is None))
 
 
 def _linear(module, x):

@@ -805,6 +805,96 @@ def test_fused_layers_with_dropout_draw_the_per_op_masks(backend, skip_padding):
         assert_close(got, want, 1e-5, rtol=1e-4, what="grad")
 
 
+def _checkpoint_layers(model, use_reentrant):
+    """HF's gradient checkpointing on every layer, by the name this transformers gives it
+    (activation_checkpointing_enable from 5.2x; gradient_checkpointing_enable, now deprecated)."""
+    settings = {"use_reentrant": use_reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=settings)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=settings)
+
+
+@pytest.mark.parametrize("skip_padding", [False, True])
+@pytest.mark.parametrize("backend, kernels", [("torch", False), *((b, False) for b in FUSED_BACKENDS),
+                                             pytest.param("triton", True, marks=needs_kernels)])
+def test_gradient_checkpointing_runs_fused_with_the_same_dropout(backend, kernels, skip_padding, monkeypatch):
+    """HF's gradient checkpointing (Trainer's gradient_checkpointing=True) on the fast path, not
+    HF's forward: each layer's fused forward runs again in the backward (reentrant and not),
+    drawing the first run's dropout masks, so loss and gradients are bit for bit those of the
+    same model without checkpointing. The embeddings stay fused (HF's set-up hooks the word
+    embeddings: _is_input_grads_hook)."""
+    _, fast = hf_pair(config(dropout=0.1), cls=BertForSequenceClassification, backend=backend,
+                      skip_padding=skip_padding)
+    fast.train()
+    ids, types = inputs(2, 9)
+    mask = make_mask("prefix", 2, 9)
+    labels = torch.tensor([1, 0])
+    layers = fast.config.num_hidden_layers
+    calls, embedded = [], []
+    fused_forward = hf.FastBertLayer.fused_forward
+    monkeypatch.setattr(hf.FastBertLayer, "fused_forward", lambda *args: calls.append(1) or fused_forward(*args))
+    monkeypatch.setattr(hf, "embedding_layernorm", lambda *args, **kw: embedded.append(1) or embedding_layernorm(*args, **kw))
+
+    def step():
+        fast.zero_grad(set_to_none=True)
+        calls.clear(), embedded.clear()
+        torch.manual_seed(11)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", hf.HFFallbackWarning)
+            loss = fast(ids, attention_mask=mask, token_type_ids=types, labels=labels).loss
+        nodes = _layer_nodes(loss)
+        loss.backward()
+        return [loss.detach()] + [p.grad for p in fast.parameters()], nodes, len(calls)
+
+    with interpreted_kernels() if kernels else contextlib.nullcontext():
+        expected, _, runs = step()
+        assert runs == layers
+        for reentrant in (False, True):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)     # (the older name's deprecation)
+                _checkpoint_layers(fast, reentrant)
+            assert fast.bert.embeddings.word_embeddings._forward_hooks, "HF's set-up hooks the word embeddings"
+            got, nodes, runs = step()
+            what = "reentrant" if reentrant else "non-reentrant"
+            assert runs == 2 * layers, f"{what}: {runs} runs of the fused layers' forward for {layers} layers"
+            assert embedded, f"{what}: the embeddings ran HF's forward"
+            if backend != "torch" and not reentrant:    # (the reentrant one records its own Function)
+                assert nodes.count("_EncoderLayerBackward") == layers, nodes
+            for actual, wanted in zip(got, expected, strict=True):
+                assert (actual is None) == (wanted is None), what
+                assert actual is None or torch.equal(actual, wanted), f"{what}: {max_err(actual, wanted)}"
+
+
+@pytest.mark.parametrize("backend", ["torch", *FUSED_BACKENDS])
+def test_reentrant_checkpointing_of_frozen_embeddings_trains_the_layers(backend):
+    """Adapter fine-tuning (PEFT's set-up): the embeddings frozen, HF's reentrant checkpointing.
+    A reentrant checkpoint passes gradients on only when its input requires grad, which HF's hook
+    on the word embeddings sees to; the fused embeddings do the same, or the layers would get
+    no gradients (torch warns that none of the inputs require grad)."""
+    _, fast = hf_pair(config(), cls=BertForSequenceClassification, backend=backend)
+    fast.train()
+    fast.bert.embeddings.requires_grad_(False)
+    ids, types = inputs(2, 9)
+    labels = torch.tensor([1, 0])
+
+    def grads():
+        fast.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")      # HF's fallback, torch's "none of the inputs have requires_grad"
+            fast(ids, token_type_ids=types, labels=labels).loss.backward()
+        return {name: p.grad for name, p in fast.named_parameters() if p.requires_grad}
+
+    expected = grads()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        _checkpoint_layers(fast, use_reentrant=True)
+    got = grads()
+    assert all(expected[name] is not None for name in expected if name.startswith("bert.encoder."))
+    for name, want in expected.items():
+        assert got[name] is not None and torch.equal(got[name], want), name
+
+
 @pytest.mark.parametrize("backend", available_backends())
 def test_each_dropout_follows_its_own_module_mode(backend):
     """HF applies each dropout as its module's mode says (the attention weights' as
