@@ -10,7 +10,8 @@ encoder  FastBERTEncoder against the book's reference (or, for GELU and learnabl
          fractional, negative, beyond L), 2-D; skip_padding (valid positions only); int32 and
          non-contiguous ids; train mode with every gradient (dropout 0).
 hf       bert_fast.optimize(transformers BertModel) against HF's eager model: prefix, holed,
-         all-zero and left-padded masks, position_ids, token types, hidden states, gradients.
+         all-zero and left-padded masks, position_ids, token types, hidden states, gradients,
+         HF's gradient checkpointing (reentrant or not) on both models.
 dropout  with dropout: the triton backend's CPU twins, the Triton kernels (interpreter) and
          the cuda backend draw the same masks: equal outputs and gradients.
 graphs   cuda_graphs=True with the capture stubbed as the tests stub it (tests.helpers.StubSteps):
@@ -182,7 +183,18 @@ def hf_case(rng, case):
     hidden_states = rng.random() < 0.2
     if hidden_states:
         kwargs["output_hidden_states"] = True
-    what += f" position_ids {positions} hidden_states={hidden_states}"
+    # HF's gradient checkpointing on both models (in training): the fast path reruns its layers.
+    checkpointing = rng.choice(["off", "off", "reentrant", "non-reentrant"]) if train else "off"
+    if checkpointing != "off":
+        settings = {"use_reentrant": checkpointing == "reentrant"}
+        for m in (model, fast):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)      # (the older name's deprecation)
+                if hasattr(m, "activation_checkpointing_enable"):
+                    m.activation_checkpointing_enable(activation_checkpointing_kwargs=settings)
+                else:
+                    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=settings)
+    what += f" position_ids {positions} hidden_states={hidden_states} checkpointing {checkpointing}"
     case["what"] = what
     with kernels_if(backend == "interpreter"):
         out = fast(input_ids=ids, **kwargs)

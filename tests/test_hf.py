@@ -1196,6 +1196,37 @@ def test_gpu_forward_and_gradients_match_hf(backend, mask_name):
 
 
 @needs_cuda
+@pytest.mark.parametrize("skip_padding", [False, True])
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_gradient_checkpointing_draws_the_same_dropout(backend, skip_padding):
+    """On CUDA the rerun of each checkpointed layer draws its seeds from the CUDA generator,
+    which torch.utils.checkpoint restores: the step without checkpointing, within the atomic
+    adds' order (the embeddings' backward; everything else is bit for bit on the CPU)."""
+    _, fast = hf_pair(config(dropout=0.1), cls=BertForSequenceClassification, backend=backend,
+                      skip_padding=skip_padding)
+    fast.cuda().train()
+    ids, types = (t.cuda() for t in inputs(3, 19))
+    mask, labels = make_mask("prefix", 3, 19).cuda(), torch.tensor([1, 0, 1], device="cuda")
+
+    def step():
+        fast.zero_grad(set_to_none=True)
+        torch.manual_seed(11)
+        loss = fast(ids, attention_mask=mask, token_type_ids=types, labels=labels).loss
+        loss.backward()
+        return [loss.detach()] + [p.grad for p in fast.parameters()]
+
+    expected = step()
+    for reentrant in (False, True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            _checkpoint_layers(fast, reentrant)
+        for got, want in zip(step(), expected, strict=True):
+            assert (got is None) == (want is None)
+            if got is not None:
+                assert_close(got, want, 1e-6, rtol=1e-5, what=f"reentrant={reentrant}")
+
+
+@needs_cuda
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("mask_name", ["prefix", "holes"])
 @pytest.mark.parametrize("skip_padding", [False, True])
