@@ -881,7 +881,8 @@ def test_reentrant_checkpointing_of_frozen_embeddings_trains_the_layers(backend)
     def grads():
         fast.zero_grad(set_to_none=True)
         with warnings.catch_warnings():
-            warnings.simplefilter("error")      # HF's fallback, torch's "none of the inputs have requires_grad"
+            warnings.simplefilter("error", hf.HFFallbackWarning)
+            warnings.filterwarnings("error", ".*requires_grad")     # torch's "None of the inputs have ..."
             fast(ids, token_type_ids=types, labels=labels).loss.backward()
         return {name: p.grad for name, p in fast.named_parameters() if p.requires_grad}
 
