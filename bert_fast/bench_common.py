@@ -640,6 +640,10 @@ def _host_model(config):
             f"{config.get('hf_attention')!r}; the fast rows: copies after bert_fast.optimize), ")
 
 
+def _checkpointing(setting):
+    return "" if setting == "off" else f", HF's gradient checkpointing ({setting}) on every model"
+
+
 def host_record_markdown(record):
     """A record of ``--suite host`` as markdown: a caption naming the machine and the shape, and
     per mode a table of host microseconds per call against the reference."""
@@ -650,7 +654,8 @@ def host_record_markdown(record):
         f"{env['extension']}. {_host_model(config)}{config['num_layers']} layers, H {config['num_hiddens']}, "
         f"{config['num_heads']} heads, FFN {config['ffn_num_hiddens']}, B {config['batch']}, "
         f"L {config['seq']}, dropout {config['dropout']}, check_inputs {config['check_inputs']}"
-        f"{', skip_padding' if config.get('skip_padding') else ''}; "
+        f"{', skip_padding' if config.get('skip_padding') else ''}"
+        f"{_checkpointing(config.get('checkpointing', 'off'))}; "
         f"{config['rounds']} interleaved rounds of {config['calls_per_round']} calls.\n"
         f"Command: `{shlex.join(record['command'])}`")
     parts = [caption]

@@ -55,12 +55,15 @@ the fast path, where the layer's input is laid out as the fast path lays it out:
 with holes each sequence's attended tokens first, with skip_padding the packed (N, H) tokens.
 
 Gradient checkpointing (HF's activation_checkpointing_enable or gradient_checkpointing_enable,
-Trainer's gradient_checkpointing=True) runs on the fast path: the layers are called through HF's
-wrapper, which checkpoints each one's fused forward (reentrant or not, as HF was asked) and runs
-it again in the backward. The rerun draws the dropout masks of the first run: the fused layer's
-seeds come from the device's generator, whose state torch.utils.checkpoint restores. HF's set-up
-also hooks the word embeddings (_is_input_grads_hook); FastBertEmbeddings does what that hook
-does and stays fused.
+Trainer's gradient_checkpointing=True) runs on the fast path, each layer's forward again in the
+backward with the first run's dropout masks. Where HF asks for torch.utils.checkpoint with no
+option but use_reentrant (and preserve_rng_state), the fused layers checkpoint themselves
+(ops.encoder_layer's recompute: one node that keeps the layer's input and reuses its dropout
+seeds), without torch.utils.checkpoint's hooks on every saved tensor (_recomputes_itself);
+otherwise, and for layers run one op at a time, HF's checkpoint function runs as HF calls it
+(its recompute draws the same masks: torch.utils.checkpoint restores the generators). HF's
+set-up also hooks the word embeddings (_is_input_grads_hook); FastBertEmbeddings does what that
+hook does and stays fused.
 
 Anything else (inputs_embeds, output_attentions, head_mask, past_key_values, cross-attention
 inputs, 3-D/4-D masks, unknown keyword arguments) runs HF's own forward on the same modules,
@@ -73,11 +76,13 @@ warning by optimize().
 import operator
 import warnings
 import weakref
+from functools import partial
 from itertools import chain, repeat
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 from transformers.models.bert.modeling_bert import BertAttention, BertEmbeddings, BertIntermediate, BertLayer, \
     BertModel, BertOutput, BertSelfOutput
@@ -387,12 +392,16 @@ class FastBertEmbeddings(BertEmbeddings):
 class FusedAttentionMask:
     """What FastBertModel hands its layers instead of HF's 4-D mask: the key mask prepared once
     (ops.KeyMask, or None for no masking) and, with skip_padding, the unpadding. A layer given
-    one runs the fused path; given anything else, HF's forward."""
+    one runs the fused path; given anything else, HF's forward. ``recompute``: the layer
+    checkpoints itself (FastBertModel._encode's _recomputed_call)."""
 
-    __slots__ = ("key_mask", "unpadding", "valid_lens")
+    __slots__ = ("key_mask", "unpadding", "valid_lens", "recompute")
 
-    def __init__(self, key_mask, unpadding=None, valid_lens=None):
-        self.key_mask, self.unpadding, self.valid_lens = key_mask, unpadding, valid_lens
+    def __init__(self, key_mask, unpadding=None, valid_lens=None, recompute=False):
+        self.key_mask, self.unpadding, self.valid_lens, self.recompute = key_mask, unpadding, valid_lens, recompute
+
+    def recomputing(self, recompute=True):
+        return FusedAttentionMask(self.key_mask, self.unpadding, self.valid_lens, recompute)
 
 
 class FastBertLayer(_KeepsQKVPacked, BertLayer):
@@ -452,9 +461,11 @@ class FastBertLayer(_KeepsQKVPacked, BertLayer):
                 fused = fused_layer(X, attended, backend, attn.num_attention_heads, float(attn_dropout),
                                     _activation_of(intermediate.intermediate_act_fn),
                                     (attn.query, attn.key, attn.value, attn_out.dense, intermediate.dense,
-                                     output.dense), (attn_out.LayerNorm, output.LayerNorm), self)
+                                     output.dense), (attn_out.LayerNorm, output.LayerNorm), self, mask.recompute)
                 if fused is not None:
                     return fused
+        if mask.recompute:      # one op at a time, under HF's checkpoint function as HF's wrapper runs it
+            return self._gradient_checkpointing_func(self.fused_forward, X, mask.recomputing(False))
         # Each intermediate unnamed or deleted once read: without autograd, a local holding it to
         # the end of the layer raised the peak (the QKV projection at the FFN: 14 MB for HF's 11).
         if mask.unpadding is None:
@@ -487,6 +498,33 @@ _NEUTRAL = {"inputs_embeds": (None,), "head_mask": (None,), "encoder_hidden_stat
 # num_items_in_batch: a loss argument (TransformersKwargs) that Trainer adds to every call of a
 # head whose forward takes **kwargs, which passes it on to BertModel; the encoder ignores it.
 _HANDLED = ("return_dict", "use_cache", "num_items_in_batch")
+
+
+def _recomputes_itself(layer):
+    """Whether ``layer``'s gradient checkpointing (set by HF on the layer: its flag and function)
+    is what the fused layer does itself (ops.encoder_layer's ``recompute``): in eager training,
+    with HF's function torch.utils.checkpoint.checkpoint given at most use_reentrant and
+    preserve_rng_state, what activation_checkpointing_enable / gradient_checkpointing_enable
+    make without offload or other options. Both checkpoints recompute the layer in the backward
+    with the forward's dropout masks (the fused layer reuses its seeds, whatever
+    preserve_rng_state says); the fused layer's spares torch.utils.checkpoint's per-tensor hooks
+    (host time: docs/host-time.md). The reentrant checkpoint passes no gradient to the layer's
+    Parameters when its input needs none; the fused layer's does, as the non-reentrant one."""
+    func = layer.__dict__.get("_gradient_checkpointing_func")
+    return (type(func) is partial and func.func is checkpoint and not func.args
+            and func.keywords.keys() <= {"use_reentrant", "preserve_rng_state"}
+            and layer.training and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and not torch._C._get_tracing_state())
+
+
+def _recomputed_call(layer, X, mask):
+    """``layer(X, mask)`` with HF's checkpointing off for the call (the flag its wrapper reads,
+    set back after): the layer gets ``mask.recompute`` and checkpoints itself (fused_forward)."""
+    layer.gradient_checkpointing = False
+    try:
+        return layer(X, mask)
+    finally:
+        layer.gradient_checkpointing = True
 
 
 def _prefix_lengths_on_host(keep):
@@ -639,8 +677,16 @@ class FastBertModel(BertModel):
                 states = torch.empty_like(states).scatter_(1, order[..., None].expand(states.shape), states)
             return states
 
+        recomputing = None
         for layer in self.encoder.layer:
-            X = layer(X, mask)          # through __call__: hooks and gradient checkpointing as HF
+            # Through __call__: hooks, and gradient checkpointing as HF asks for it, the fused
+            # layers (not the torch backend's) checkpointing themselves where HF would call
+            # torch.utils.checkpoint.
+            if layer.__dict__.get("gradient_checkpointing") and backend != "torch" and _recomputes_itself(layer):
+                recomputing = recomputing or mask.recomputing()
+                X = _recomputed_call(layer, X, recomputing)
+            else:
+                X = layer(X, mask)
             if output_hidden_states:
                 all_hidden.append(restore_layout(X))
         sequence_output = all_hidden[-1] if output_hidden_states else restore_layout(X)

@@ -53,6 +53,7 @@ import importlib.util
 import statistics
 import sys
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -108,6 +109,19 @@ class _HFCall(torch.nn.Module):
 
     def forward(self, tokens, segments, attention_mask):
         return self.model(input_ids=tokens, token_type_ids=segments, attention_mask=attention_mask).last_hidden_state
+
+
+def checkpoint_layers(model, use_reentrant, **settings):
+    """HF's gradient checkpointing on every layer of ``model``, with torch.utils.checkpoint's
+    ``use_reentrant`` and any other ``settings`` (activation_checkpointing_enable, or
+    gradient_checkpointing_enable where transformers has no other name for it)."""
+    settings["use_reentrant"] = use_reentrant
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)       # (the older name's deprecation)
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=settings)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=settings)
 
 
 def hf_config(config):
@@ -396,6 +410,9 @@ def run(options, progress):
         models = build_hf_models(config, options.backends, device, gpu_path=options.gpu_path,
                                  skip_padding=options.skip_padding)
         options.hf_attention = models[BASELINE].model.config._attn_implementation
+        if options.checkpointing != "off":
+            for model in models.values():
+                checkpoint_layers(model.model, options.checkpointing == "reentrant")
         tokens, segments, valid_lens = inputs
         # The mask made once, outside the timed calls (peers.HFBertPeer makes it per call).
         inputs = (tokens, segments, valid_position_mask(valid_lens, tokens).long())
@@ -430,7 +447,7 @@ def make_record(rows, options, argv):
                     num_layers=options.layers, num_hiddens=options.hidden, num_heads=options.heads,
                     ffn_num_hiddens=options.ffn, vocab_size=VOCAB_SIZE, batch=options.batch,
                     seq=options.seq, dropout=options.dropout, check_inputs=options.check_inputs,
-                    skip_padding=options.skip_padding,
+                    skip_padding=options.skip_padding, checkpointing=options.checkpointing,
                     rounds=options.rounds, calls_per_round=options.calls, warmup_rounds=options.warmup,
                     seed=options.seed, timing=TIMING),
         rows=rows)
@@ -493,6 +510,9 @@ def build_parser():
                              "every token; default: off)")
     parser.add_argument("--check-inputs", action=argparse.BooleanOptionalAction, default=True,
                         help="FastBERTEncoder's check_inputs (default: on, as constructed by users)")
+    parser.add_argument("--checkpointing", choices=["off", "non-reentrant", "reentrant"], default="off",
+                        help="--model hf: HF's gradient checkpointing on every model (forward+backward), "
+                             "use_reentrant as named (default: %(default)s)")
     parser.add_argument("--rounds", type=int, metavar="N", default=15,
                         help="timed rounds, each calling every method (default: %(default)s)")
     parser.add_argument("--calls", type=int, metavar="N", default=20,
@@ -517,6 +537,8 @@ def parse_args(argv):
             parser.error("--model hf needs transformers (pip install transformers)")
         if not options.check_inputs:
             parser.error("--no-check-inputs is FastBERTEncoder's option, which --model hf does not build")
+    elif options.checkpointing != "off":
+        parser.error("--checkpointing is HF's gradient checkpointing: it needs --model hf")
     if options.hidden % options.heads:
         parser.error(f"--hidden ({options.hidden}) must be divisible by --heads ({options.heads})")
     options.device = device_option(parser, options.device)

@@ -504,7 +504,8 @@ def _dropout_rate(dropout):
     return dropout.p if dropout.training else 0.0
 
 
-def fused_layer(X, key_mask, backend, num_heads, dropout_p, activation, linears, norms, packing_holder):
+def fused_layer(X, key_mask, backend, num_heads, dropout_p, activation, linears, norms, packing_holder,
+                recompute=False):
     """ops.encoder_layer for a post-norm layer given by its modules, or None where it does not
     apply (the caller's per-op path then runs): FastEncoderBlock's and bert_fast.hf's layers.
     ``key_mask``: a KeyMask or None for X (B, L, H); skip_padding's ops.Unpadding for X (N, H).
@@ -514,7 +515,8 @@ def fused_layer(X, key_mask, backend, num_heads, dropout_p, activation, linears,
     nn.LayerNorm. ``packing_holder``: the module whose ``_qkv_packing`` (pack_qkv_) says where
     the QKV weights lie back to back, read in place. Under autocast for X's device the layer
     makes autocast's casts (LayerSpec.amp_dtype); autocast for another device only, or fp64
-    (which autocast leaves alone), takes the per-op path."""
+    (which autocast leaves alone), takes the per-op path. ``recompute``: the layer keeps only
+    its input for the backward, which runs its forward again (activation checkpointing)."""
     w_q, w_k, w_v, w_o, dense1, dense2 = linears
     ln1, ln2 = norms
     linear, norm = nn.Linear, nn.LayerNorm
@@ -546,7 +548,7 @@ def fused_layer(X, key_mask, backend, num_heads, dropout_p, activation, linears,
     # The QKV weight (and bias) read in place where pack_qkv_ keeps them back to back.
     packing = _packing_of(packing_holder, flat[:3] if flat[3] is None else flat[:6])
     packed = (None, None) if packing is None else (packing.weight, packing.bias)
-    return ops.encoder_layer(spec, X, key_mask, flat, packed)
+    return ops.encoder_layer(spec, X, key_mask, flat, packed, recompute)
 
 
 class FastBERTEncoder(nn.Module):

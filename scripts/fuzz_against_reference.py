@@ -186,14 +186,9 @@ def hf_case(rng, case):
     # HF's gradient checkpointing on both models (in training): the fast path reruns its layers.
     checkpointing = rng.choice(["off", "off", "reentrant", "non-reentrant"]) if train else "off"
     if checkpointing != "off":
-        settings = {"use_reentrant": checkpointing == "reentrant"}
+        from bert_fast.host_bench import checkpoint_layers
         for m in (model, fast):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)      # (the older name's deprecation)
-                if hasattr(m, "activation_checkpointing_enable"):
-                    m.activation_checkpointing_enable(activation_checkpointing_kwargs=settings)
-                else:
-                    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=settings)
+            checkpoint_layers(m, checkpointing == "reentrant")
     what += f" position_ids {positions} hidden_states={hidden_states} checkpointing {checkpointing}"
     case["what"] = what
     with kernels_if(backend == "interpreter"):

@@ -235,6 +235,45 @@ def test_a_norm_the_add_norm_kernel_cannot_take_runs_the_per_op_path(backend, mo
 AMP_TOLERANCE = {torch.bfloat16: 6e-2, torch.float16: 1e-2}
 
 
+@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "autocast"])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_recomputing_layer_keeps_its_input_and_gives_the_same_gradients(backend, dropout, amp, monkeypatch):
+    """ops.encoder_layer(recompute=True), what bert_fast.hf's gradient checkpointing runs: its
+    node keeps x and the Parameters only, and its backward runs the forward again with the
+    forward's dropout seeds (whatever the generator did since) under the forward's autocast:
+    the plain node's output and gradients, bit for bit."""
+    block = make_block(backend, dropout=dropout, use_bias=True, activation="gelu")
+    x, grad_out = inputs()
+    params = {id(p) for p in block.parameters()}
+    kept = []
+
+    def pack(t):
+        kept.append(t)
+        return t
+
+    fused = ops.encoder_layer
+    with torch.autocast("cpu", amp) if amp else contextlib.nullcontext():
+        plain = run(block, x, VALID_LENS["1d"], grad_out)
+        block.zero_grad(set_to_none=True)
+        x = x.detach().requires_grad_()
+        torch.manual_seed(0)
+        with monkeypatch.context() as patch, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            patch.setattr(ops, "encoder_layer", lambda *args: fused(*args[:5], recompute=True))
+            out = block(x, VALID_LENS["1d"])
+        torch.rand(3)           # the generator moves on before the backward
+        assert type(out.grad_fn).__name__ == "_RecomputedEncoderLayerBackward"
+        activations = [t for t in kept if id(t) not in params]
+        assert len(kept) == 1 + len(params) and [t.shape for t in activations] == [x.shape], [t.shape for t in kept]
+        out.backward(grad_out)          # (as run()'s, under the autocast)
+    grads = {name: p.grad for name, p in block.named_parameters()}
+    grads["x"] = x.grad
+    assert torch.equal(out, plain[0])
+    for name, want in plain[2].items():
+        assert (grads[name] is None) == (want is None), name
+        assert want is None or torch.equal(grads[name], want), name
+
+
 def check_autocast(block, valid_lens, amp_dtype, monkeypatch):
     x, grad_out = inputs()
     with torch.autocast("cpu", amp_dtype):

@@ -8,6 +8,7 @@ sentence-transformers. The Triton path runs in the interpreter (interpreted_kern
 
 import contextlib
 import copy
+import importlib
 import json
 import warnings
 
@@ -22,6 +23,7 @@ import bert_fast  # noqa: E402
 from bert_fast.backend import available_backends  # noqa: E402
 from bert_fast import cuda_graph, hf  # noqa: E402
 from bert_fast.cuda_graph import CudaGraphFallbackWarning, cuda_graph_stats  # noqa: E402
+from bert_fast.host_bench import checkpoint_layers  # noqa: E402
 from bert_fast.ops.embedding_layernorm import embedding_layernorm  # noqa: E402
 from tests import minilm  # noqa: E402
 from tests.helpers import (StubSteps, assert_close, interpreted_kernels, max_err, needs_kernels,  # noqa: E402
@@ -805,14 +807,10 @@ def test_fused_layers_with_dropout_draw_the_per_op_masks(backend, skip_padding):
         assert_close(got, want, 1e-5, rtol=1e-4, what="grad")
 
 
-def _checkpoint_layers(model, use_reentrant):
-    """HF's gradient checkpointing on every layer, by the name this transformers gives it
-    (activation_checkpointing_enable from 5.2x; gradient_checkpointing_enable, now deprecated)."""
-    settings = {"use_reentrant": use_reentrant}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=settings)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=settings)
+# HF's checkpointing settings: the fused layers checkpoint themselves for the first two; other
+# options (here the determinism check off) run torch.utils.checkpoint around them.
+CHECKPOINTING = {"non-reentrant": {"use_reentrant": False}, "reentrant": {"use_reentrant": True},
+                 "torch's checkpoint": {"use_reentrant": False, "determinism_check": "none"}}
 
 
 @pytest.mark.parametrize("skip_padding", [False, True])
@@ -820,10 +818,13 @@ def _checkpoint_layers(model, use_reentrant):
                                              pytest.param("triton", True, marks=needs_kernels)])
 def test_gradient_checkpointing_runs_fused_with_the_same_dropout(backend, kernels, skip_padding, monkeypatch):
     """HF's gradient checkpointing (Trainer's gradient_checkpointing=True) on the fast path, not
-    HF's forward: each layer's fused forward runs again in the backward (reentrant and not),
-    drawing the first run's dropout masks, so loss and gradients are bit for bit those of the
-    same model without checkpointing. The embeddings stay fused (HF's set-up hooks the word
-    embeddings: _is_input_grads_hook)."""
+    HF's forward: each layer's forward runs again in the backward, with the first run's dropout
+    masks, so loss and gradients are bit for bit those of the same model without checkpointing.
+    The fused layers (triton, cuda) checkpoint themselves (ops.encoder_layer's recompute: one
+    node a layer that keeps its input) where HF asks for torch.utils.checkpoint with no other
+    option than use_reentrant; else, and on the torch backend, torch.utils.checkpoint runs. The
+    embeddings stay fused (HF's set-up hooks the word embeddings: _is_input_grads_hook)."""
+    layer_module = importlib.import_module("bert_fast.ops.encoder_layer")     # (ops.encoder_layer: the function)
     _, fast = hf_pair(config(dropout=0.1), cls=BertForSequenceClassification, backend=backend,
                       skip_padding=skip_padding)
     fast.train()
@@ -832,8 +833,9 @@ def test_gradient_checkpointing_runs_fused_with_the_same_dropout(backend, kernel
     labels = torch.tensor([1, 0])
     layers = fast.config.num_hidden_layers
     calls, embedded = [], []
-    fused_forward = hf.FastBertLayer.fused_forward
-    monkeypatch.setattr(hf.FastBertLayer, "fused_forward", lambda *args: calls.append(1) or fused_forward(*args))
+    fused_forward, layer_forward = hf.FastBertLayer.fused_forward, layer_module._layer_forward
+    monkeypatch.setattr(hf.FastBertLayer, "fused_forward", lambda *args: calls.append("layer") or fused_forward(*args))
+    monkeypatch.setattr(layer_module, "_layer_forward", lambda *args: calls.append("fused") or layer_forward(*args))
     monkeypatch.setattr(hf, "embedding_layernorm", lambda *args, **kw: embedded.append(1) or embedding_layernorm(*args, **kw))
 
     def step():
@@ -845,25 +847,59 @@ def test_gradient_checkpointing_runs_fused_with_the_same_dropout(backend, kernel
             loss = fast(ids, attention_mask=mask, token_type_ids=types, labels=labels).loss
         nodes = _layer_nodes(loss)
         loss.backward()
-        return [loss.detach()] + [p.grad for p in fast.parameters()], nodes, len(calls)
+        return [loss.detach()] + [p.grad for p in fast.parameters()], nodes, calls.count("layer"), calls.count("fused")
 
     with interpreted_kernels() if kernels else contextlib.nullcontext():
-        expected, _, runs = step()
-        assert runs == layers
-        for reentrant in (False, True):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)     # (the older name's deprecation)
-                _checkpoint_layers(fast, reentrant)
+        expected, _, runs, fused_runs = step()
+        assert runs == layers and fused_runs == (0 if backend == "torch" else layers)
+        for what, settings in CHECKPOINTING.items():
+            checkpoint_layers(fast, **settings)
             assert fast.bert.embeddings.word_embeddings._forward_hooks, "HF's set-up hooks the word embeddings"
-            got, nodes, runs = step()
-            what = "reentrant" if reentrant else "non-reentrant"
-            assert runs == 2 * layers, f"{what}: {runs} runs of the fused layers' forward for {layers} layers"
+            got, nodes, runs, fused_runs = step()
             assert embedded, f"{what}: the embeddings ran HF's forward"
-            if backend != "torch" and not reentrant:    # (the reentrant one records its own Function)
-                assert nodes.count("_EncoderLayerBackward") == layers, nodes
+            if backend == "torch" or what == "torch's checkpoint":
+                assert runs == 2 * layers, f"{what}: {runs} runs of the layers' forward for {layers} layers"
+            else:       # the layers' forward once, the fused layer's twice
+                assert (runs, fused_runs) == (layers, 2 * layers), (what, runs, fused_runs)
+                assert nodes.count("_RecomputedEncoderLayerBackward") == layers, nodes
             for actual, wanted in zip(got, expected, strict=True):
                 assert (actual is None) == (wanted is None), what
                 assert actual is None or torch.equal(actual, wanted), f"{what}: {max_err(actual, wanted)}"
+
+
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_gradient_checkpointing_of_a_layer_run_op_by_op(backend):
+    """A layer the fused path does not take (an adapter around a dense) runs one op at a time
+    under HF's checkpoint function, so its activations are still recomputed, not kept: the
+    wrapped dense runs again in the backward, the gradients are the plain step's."""
+    _, fast = hf_pair(config(dropout=0.1), cls=BertForSequenceClassification, backend=backend)
+    fast.train()
+    runs = []
+
+    class Counted(LinearWrapper):
+        def forward(self, x):
+            runs.append(1)
+            return super().forward(x)
+
+    wrapped = fast.bert.encoder.layer[1].output
+    wrapped.dense = Counted(wrapped.dense)
+    ids, types = inputs(2, 9)
+    labels = torch.tensor([1, 0])
+
+    def step():
+        fast.zero_grad(set_to_none=True)
+        runs.clear()
+        torch.manual_seed(5)
+        fast(ids, token_type_ids=types, labels=labels).loss.backward()
+        return [p.grad for p in fast.parameters()]
+
+    expected = step()
+    assert len(runs) == 1
+    checkpoint_layers(fast, use_reentrant=False)
+    got = step()
+    assert len(runs) == 2, f"the op-by-op layer's dense ran {len(runs)} times"
+    for actual, wanted in zip(got, expected, strict=True):
+        assert torch.equal(actual, wanted)
 
 
 @pytest.mark.parametrize("backend", ["torch", *FUSED_BACKENDS])
@@ -887,9 +923,7 @@ def test_reentrant_checkpointing_of_frozen_embeddings_trains_the_layers(backend)
         return {name: p.grad for name, p in fast.named_parameters() if p.requires_grad}
 
     expected = grads()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        _checkpoint_layers(fast, use_reentrant=True)
+    checkpoint_layers(fast, use_reentrant=True)
     got = grads()
     assert all(expected[name] is not None for name in expected if name.startswith("bert.encoder."))
     for name, want in expected.items():
@@ -1217,14 +1251,12 @@ def test_gpu_gradient_checkpointing_draws_the_same_dropout(backend, skip_padding
         return [loss.detach()] + [p.grad for p in fast.parameters()]
 
     expected = step()
-    for reentrant in (False, True):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            _checkpoint_layers(fast, reentrant)
+    for what, settings in CHECKPOINTING.items():
+        checkpoint_layers(fast, **settings)
         for got, want in zip(step(), expected, strict=True):
             assert (got is None) == (want is None)
             if got is not None:
-                assert_close(got, want, 1e-6, rtol=1e-5, what=f"reentrant={reentrant}")
+                assert_close(got, want, 1e-6, rtol=1e-5, what=what)
 
 
 @needs_cuda
@@ -1333,7 +1365,7 @@ def test_a_deepcopy_of_an_optimized_model_reads_the_packed_qkv_in_place(backend,
     fast = copy.deepcopy(fast)
     seen = []
     real = ops.encoder_layer
-    monkeypatch.setattr(ops, "encoder_layer", lambda spec, x, mask, params, packed: seen.append(packed)
+    monkeypatch.setattr(ops, "encoder_layer", lambda spec, x, mask, params, packed, recompute=False: seen.append(packed)
                         or real(spec, x, mask, params, packed))
     ids, types = inputs(2, 7)
     with torch.no_grad():

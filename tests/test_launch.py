@@ -311,6 +311,25 @@ def test_host_benchmark_of_a_hugging_face_model(capsys, monkeypatch):
     assert "Hugging Face BertModel (the reference: its own forward" in capsys.readouterr().out
 
 
+def test_host_benchmark_of_hf_gradient_checkpointing(capsys):
+    """--checkpointing: HF's gradient checkpointing on every model; the fused layers' forward
+    runs again in the backward (the GPU path row launches its kernels again)."""
+    pytest.importorskip("transformers")
+    launches = {}
+    for setting in ("off", "non-reentrant"):
+        record = host_bench.main(["--suite", "host", "--model", "hf", "--layers", "2", "--rounds", "1", "--calls", "1",
+                                  "--warmup", "0", "--backends", "torch", "--modes", "forward+backward",
+                                  "--checkpointing", setting, "--no-record"], record_argv=["test"])
+        assert record["config"]["checkpointing"] == setting
+        (row,) = (row for row in record["rows"] if row["method"] == host_bench.GPU_PATH)
+        launches[setting] = row["launches_per_layer"]
+    assert launches["non-reentrant"] > launches["off"], launches
+    assert "HF's gradient checkpointing (non-reentrant) on every model" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        host_bench.main(["--suite", "host", "--checkpointing", "reentrant", "--no-record"])
+    assert "--checkpointing is HF's gradient checkpointing: it needs --model hf" in capsys.readouterr().err
+
+
 def test_gpu_launch_path_flushes_denormals_while_it_lasts():
     # The GPU path row's GEMMs read kernel outputs that were never written; where old bits read
     # as denormals, x86 arithmetic on them is many times slower, which its host time is not.

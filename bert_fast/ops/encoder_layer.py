@@ -40,6 +40,7 @@ SDPA itself, which needs no LSE), over the padded batch with the key mask, or on
 of packed tokens.
 """
 
+from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
@@ -285,11 +286,12 @@ def _layernorm_backward(spec, has_x_bias, grad, x, residual, weight, mean, rstd,
     return d_res, d_drop if p > 0.0 else d_res, d_weight, d_bias, d_x_bias[0] if has_x_bias else None
 
 
-def _layer_forward(spec, key_mask, packed, x, params, ctx=None):
+def _layer_forward(spec, key_mask, packed, x, params, ctx=None, seeds=None):
     """The layer's output for x (B, L, H), or (N, H) packed tokens; with ``ctx`` (_EncoderLayer's
     forward) it also keeps what the backward needs. Without, nothing is kept: inference frees
     each intermediate once read, as the per-op path does (held by this function's locals to
-    its end, they made the layer's peak twice the per-op path's)."""
+    its end, they made the layer's peak twice the per-op path's). ``seeds``: the three dropout
+    seeds to use (a recompute's: _RecomputedEncoderLayer), else drawn here."""
     (w_q, w_k, w_v, b_q, b_k, b_v, w_o, b_o, ln1_w, ln1_b, w_1, b_1, w_2, b_2, ln2_w, ln2_b) = params
     p, amp = spec.dropout_p, spec.amp_dtype
     ln_fwd = _layernorm_forward(spec.extension, ctx is not None, cpu_kernel(x))
@@ -308,8 +310,8 @@ def _layer_forward(spec, key_mask, packed, x, params, ctx=None):
     # (B, L, .) throughout where a GEMM allows: F.linear takes them as they are, which saves the
     # host a reshape and a view per GEMM (the backward makes the 2-D views it needs).
     qkv = F.linear(x_gemm, w_qkv, b_qkv)
-    # Seeds in the per-op path's order (attention, then the two dropouts of the add-norms).
-    seeds = tuple(dropout_seed(p, x.device) for _ in range(3)) if p > 0.0 else (None,) * 3
+    if seeds is None:
+        seeds = _draw_seeds(p, x.device)
     context, lses = _attention_forward(qkv, key_mask, spec.num_heads, p, seeds[0], ctx is not None)
     projected = as_dtype(F.linear(context, w_o, b_o), norm_dtype)
     gemm_dtype = qkv.dtype
@@ -352,6 +354,12 @@ def _layer_forward(spec, key_mask, packed, x, params, ctx=None):
     return out
 
 
+def _draw_seeds(p, device):
+    """The layer's three dropout seeds, in the per-op path's order (attention, then the two
+    dropouts of the add-norms); Nones without dropout."""
+    return tuple(dropout_seed(p, device) for _ in range(3)) if p > 0.0 else (None,) * 3
+
+
 class _EncoderLayer(torch.autograd.Function):
     """The layer above as one node; see the module docstring."""
 
@@ -362,72 +370,120 @@ class _EncoderLayer(torch.autograd.Function):
     @staticmethod
     @once_differentiable("the fused encoder layer", "bert_fast::add_layernorm_bwd")
     def backward(ctx, grad_out):
-        saved = ctx.saved_tensors
-        (x_norm, x_gemm, w_qkv, qkv, context, projected, y, y_gemm, act_saved, h, f,
-         w_o, ln1_w, w_1, b_1, w_2, ln2_w, mean1, rstd1, mean2, rstd2) = saved[:21]
-        lses, key_mask, seeds = saved[ctx.lses_at:], ctx.key_mask, ctx.seeds
-        spec, (has_b_qkv, has_b_o, has_ln1_b, has_ln2_b) = ctx.spec, ctx.biases
-        p, hidden, gemm_dtype = spec.dropout_p, x_norm.shape[-1], qkv.dtype
-        rows, context_rows, projected = (t.reshape(-1, hidden) for t in (x_norm, context, projected))
-        if spec.amp_dtype is None:      # one tensor each in two roles (see the forward)
-            rows_gemm, y = rows, y_gemm
-        else:
-            rows_gemm, y = x_gemm.reshape(-1, hidden), y.reshape(-1, hidden)
-        needs = ctx.needs_input_grad
-        # Parameters' gradients come out in the GEMMs' dtype; autograd casts each to its
-        # Parameter's (autocast's casts' backward). The QKV ones are cast before the split.
+        return _layer_backward(ctx, ctx.saved_tensors, grad_out)
 
-        # LN2: the residual's gradient (to y), the FFN output's (through its dropout) and its
-        # bias's, on rows like the rest of the backward (f is already).
-        # On the kernels' path the column sums (the add-norms' weights and biases, b_2, b_1, b_o)
-        # are made by one launch at the end (_DeferredSums); elsewhere as each kernel runs.
-        sums = _DeferredSums() if _defers_sums(spec, f) else None
-        d_res, d_f, d_ln2_w, d_ln2_b, d_b2 = _layernorm_backward(
-            spec, needs[17], grad_out.reshape(-1, hidden), f, y, ln2_w, mean2, rstd2, seeds[2], has_ln2_b, sums)
-        d_f = as_dtype(d_f, gemm_dtype)
-        d_w2 = d_f.t().mm(h) if needs[16] else None
-        d_h = d_f.mm(w_2)
-        del d_f         # (each gradient freed once used: the backward's peak is the reference's)
-        if sums is not None:
-            # GELU's derivative reads the bias; ReLU's mask needs it only for its gradient.
-            bias = b_1 if needs[15] or spec.activation != "relu" else None
-            d_z, partials = _bias_act_bwd_triton(d_h, act_saved, bias, spec.activation, check=False, defer_sum=True)
-            (d_b1,) = sums.add(partials, (bias is not None,))
-            d_b1 = d_b1 if needs[15] else None
-        elif spec.activation == "relu":
-            d_z, d_b1 = _relu_bwd(d_h, act_saved, b_1 if needs[15] else None)
-        else:
-            d_z, d_b1 = _bias_act_bwd(d_h, act_saved, b_1, spec.activation, check=False)
-            d_b1 = d_b1 if needs[15] else None
-        del d_h
-        d_w1 = d_z.t().mm(y_gemm) if needs[14] else None
-        d_y = _add_product(d_res, d_z, w_1)                 # + the residual's gradient, in the GEMM
-        del d_z, d_res
 
-        # LN1, the output projection, attention, the packed QKV projection.
-        d_res, d_projected, d_ln1_w, d_ln1_b, d_b_o = _layernorm_backward(
-            spec, has_b_o and needs[11], d_y, projected, rows, ln1_w, mean1, rstd1, seeds[1], has_ln1_b, sums)
-        if sums is not None:
-            sums.finish(projected.dtype)
-            d_ln2_w, d_ln2_b, d_b2, d_b1, d_ln1_w, d_ln1_b, d_b_o = map(
-                sums.take, (d_ln2_w, d_ln2_b, d_b2, d_b1, d_ln1_w, d_ln1_b, d_b_o))
-        d_projected = as_dtype(d_projected, gemm_dtype)
-        d_w_o = d_projected.t().mm(context_rows) if needs[10] else None
-        d_context = d_projected.mm(w_o).view(x_norm.shape)
-        del d_projected, d_y
-        d_qkv = _attention_backward(d_context, qkv, context, key_mask, spec.num_heads, p, seeds[0],
-                                    lses).reshape(-1, 3 * hidden)
-        del d_context
-        thirds = (hidden,) * 3         # split_with_sizes: Tensor.split's Python wrapper costs ~2.5 us more
-        d_w_qkv = (as_dtype(d_qkv.t().mm(rows_gemm), ctx.qkv_dtype).split_with_sizes(thirds) if any(needs[4:7])
-                   else (None,) * 3)
-        d_b_qkv = (as_dtype(d_qkv.sum(0), ctx.qkv_dtype).split_with_sizes(thirds) if has_b_qkv and any(needs[7:10])
-                   else (None,) * 3)
-        d_x = _add_product(d_res, d_qkv, w_qkv).view(x_norm.shape) if needs[3] else None
-        return (None, None, None, d_x, *d_w_qkv, *d_b_qkv, d_w_o, d_b_o,
-                d_ln1_w if needs[12] else None, d_ln1_b if has_ln1_b and needs[13] else None,
-                d_w1, d_b1, d_w2, d_b2,
-                d_ln2_w if needs[18] else None, d_ln2_b if has_ln2_b and needs[19] else None)
+class _Kept:
+    """What _layer_forward keeps for _layer_backward (the attributes it sets on a ctx and the
+    saved tensors), outside autograd: _RecomputedEncoderLayer's."""
+
+    def __init__(self, needs_input_grad):
+        self.needs_input_grad = needs_input_grad
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+
+class _RecomputedEncoderLayer(torch.autograd.Function):
+    """The layer as one node that keeps only its input and Parameters (activation
+    checkpointing): its backward runs the forward again, with the forward's dropout seeds (the
+    same masks, whatever the generators did since) under the forward's autocast, then the
+    layer's backward. What torch.utils.checkpoint does around _EncoderLayer, without its hooks
+    on every saved tensor: on the CPU's GPU path (a 12-layer Hugging Face model, H 64, B1 L8,
+    2026-11-29, docs/host-time.md) checkpointing added ~15 ms of host time to a 13 ms
+    forward+backward through torch.utils.checkpoint (non-reentrant), ~3 ms (the recompute) this
+    way. bert_fast.hf runs it for HF's gradient checkpointing.
+
+    Both forwards keep what the backward reads (the first drops it once the output is made), so
+    the output and the recomputed tensors come from the same kernels: the gradients are the
+    plain step's, bit for bit on the CPU."""
+
+    @staticmethod
+    def forward(ctx, spec, key_mask, packed, x, *params):
+        seeds = _draw_seeds(spec.dropout_p, x.device)
+        ctx.save_for_backward(x, *params)
+        ctx.spec, ctx.key_mask, ctx.packed, ctx.seeds = spec, key_mask, packed, seeds
+        return _layer_forward(spec, key_mask, packed, x, params, _Kept(None), seeds)
+
+    @staticmethod
+    @once_differentiable("the fused encoder layer", "bert_fast::add_layernorm_bwd")
+    def backward(ctx, grad_out):
+        x, *params = ctx.saved_tensors
+        kept, spec = _Kept(ctx.needs_input_grad), ctx.spec
+        # Under the forward's autocast (the layer makes its casts itself; this keeps any op's
+        # choice of dtype the forward's).
+        with torch.autocast(x.device.type, spec.amp_dtype) if spec.amp_dtype is not None else nullcontext():
+            _layer_forward(spec, ctx.key_mask, ctx.packed, x, params, kept, ctx.seeds)
+        return _layer_backward(kept, kept.saved_tensors, grad_out)
+
+
+def _layer_backward(ctx, saved, grad_out):
+    """The gradients of _EncoderLayer's inputs from what _layer_forward kept on ``ctx``."""
+    (x_norm, x_gemm, w_qkv, qkv, context, projected, y, y_gemm, act_saved, h, f,
+     w_o, ln1_w, w_1, b_1, w_2, ln2_w, mean1, rstd1, mean2, rstd2) = saved[:21]
+    lses, key_mask, seeds = saved[ctx.lses_at:], ctx.key_mask, ctx.seeds
+    spec, (has_b_qkv, has_b_o, has_ln1_b, has_ln2_b) = ctx.spec, ctx.biases
+    p, hidden, gemm_dtype = spec.dropout_p, x_norm.shape[-1], qkv.dtype
+    rows, context_rows, projected = (t.reshape(-1, hidden) for t in (x_norm, context, projected))
+    if spec.amp_dtype is None:      # one tensor each in two roles (see the forward)
+        rows_gemm, y = rows, y_gemm
+    else:
+        rows_gemm, y = x_gemm.reshape(-1, hidden), y.reshape(-1, hidden)
+    needs = ctx.needs_input_grad
+    # Parameters' gradients come out in the GEMMs' dtype; autograd casts each to its
+    # Parameter's (autocast's casts' backward). The QKV ones are cast before the split.
+
+    # LN2: the residual's gradient (to y), the FFN output's (through its dropout) and its
+    # bias's, on rows like the rest of the backward (f is already).
+    # On the kernels' path the column sums (the add-norms' weights and biases, b_2, b_1, b_o)
+    # are made by one launch at the end (_DeferredSums); elsewhere as each kernel runs.
+    sums = _DeferredSums() if _defers_sums(spec, f) else None
+    d_res, d_f, d_ln2_w, d_ln2_b, d_b2 = _layernorm_backward(
+        spec, needs[17], grad_out.reshape(-1, hidden), f, y, ln2_w, mean2, rstd2, seeds[2], has_ln2_b, sums)
+    d_f = as_dtype(d_f, gemm_dtype)
+    d_w2 = d_f.t().mm(h) if needs[16] else None
+    d_h = d_f.mm(w_2)
+    del d_f         # (each gradient freed once used: the backward's peak is the reference's)
+    if sums is not None:
+        # GELU's derivative reads the bias; ReLU's mask needs it only for its gradient.
+        bias = b_1 if needs[15] or spec.activation != "relu" else None
+        d_z, partials = _bias_act_bwd_triton(d_h, act_saved, bias, spec.activation, check=False, defer_sum=True)
+        (d_b1,) = sums.add(partials, (bias is not None,))
+        d_b1 = d_b1 if needs[15] else None
+    elif spec.activation == "relu":
+        d_z, d_b1 = _relu_bwd(d_h, act_saved, b_1 if needs[15] else None)
+    else:
+        d_z, d_b1 = _bias_act_bwd(d_h, act_saved, b_1, spec.activation, check=False)
+        d_b1 = d_b1 if needs[15] else None
+    del d_h
+    d_w1 = d_z.t().mm(y_gemm) if needs[14] else None
+    d_y = _add_product(d_res, d_z, w_1)                 # + the residual's gradient, in the GEMM
+    del d_z, d_res
+
+    # LN1, the output projection, attention, the packed QKV projection.
+    d_res, d_projected, d_ln1_w, d_ln1_b, d_b_o = _layernorm_backward(
+        spec, has_b_o and needs[11], d_y, projected, rows, ln1_w, mean1, rstd1, seeds[1], has_ln1_b, sums)
+    if sums is not None:
+        sums.finish(projected.dtype)
+        d_ln2_w, d_ln2_b, d_b2, d_b1, d_ln1_w, d_ln1_b, d_b_o = map(
+            sums.take, (d_ln2_w, d_ln2_b, d_b2, d_b1, d_ln1_w, d_ln1_b, d_b_o))
+    d_projected = as_dtype(d_projected, gemm_dtype)
+    d_w_o = d_projected.t().mm(context_rows) if needs[10] else None
+    d_context = d_projected.mm(w_o).view(x_norm.shape)
+    del d_projected, d_y
+    d_qkv = _attention_backward(d_context, qkv, context, key_mask, spec.num_heads, p, seeds[0],
+                                lses).reshape(-1, 3 * hidden)
+    del d_context
+    thirds = (hidden,) * 3         # split_with_sizes: Tensor.split's Python wrapper costs ~2.5 us more
+    d_w_qkv = (as_dtype(d_qkv.t().mm(rows_gemm), ctx.qkv_dtype).split_with_sizes(thirds) if any(needs[4:7])
+               else (None,) * 3)
+    d_b_qkv = (as_dtype(d_qkv.sum(0), ctx.qkv_dtype).split_with_sizes(thirds) if has_b_qkv and any(needs[7:10])
+               else (None,) * 3)
+    d_x = _add_product(d_res, d_qkv, w_qkv).view(x_norm.shape) if needs[3] else None
+    return (None, None, None, d_x, *d_w_qkv, *d_b_qkv, d_w_o, d_b_o,
+            d_ln1_w if needs[12] else None, d_ln1_b if has_ln1_b and needs[13] else None,
+            d_w1, d_b1, d_w2, d_b2,
+            d_ln2_w if needs[18] else None, d_ln2_b if has_ln2_b and needs[19] else None)
 
 
 def _add_product(c, a, b):
@@ -439,14 +495,15 @@ def _add_product(c, a, b):
     return c + a.mm(b).to(c.dtype)
 
 
-def encoder_layer(spec, x, key_mask, params, packed=(None, None)):
+def encoder_layer(spec, x, key_mask, params, packed=(None, None), recompute=False):
     """The layer's output for x: (B, L, H) with ``key_mask`` a KeyMask or None, or skip_padding's
     (N, H) packed valid tokens with ``key_mask`` their ops.Unpadding. ``params``: W_q, W_k, W_v,
     b_q, b_k, b_v, W_o, b_o, LN1 weight and bias, W_1, b_1, W_2, b_2, LN2 weight and bias
     (biases may be None).
     ``packed``: the QKV weight and bias as views of the Parameters' memory where they lie back
     to back (else None: concatenated here). One autograd node where autograd records, else
-    the launchers alone."""
+    the launchers alone. ``recompute``: that node keeps only the layer's input and runs the
+    forward again in its backward (_RecomputedEncoderLayer)."""
     if records_grad(x, *params):
-        return thin_apply(_EncoderLayer, spec, key_mask, packed, x, *params)
+        return thin_apply(_RecomputedEncoderLayer if recompute else _EncoderLayer, spec, key_mask, packed, x, *params)
     return _layer_forward(spec, key_mask, packed, x, params)
