@@ -295,9 +295,11 @@ def _scenario_fsdp(rank, *, backend, valid_lens, pack_qkv=None, skip_padding=Fal
     return checks.report()
 
 
-def _scenario_hf(rank, *, wrapper, backend, skip_padding=False):
+def _scenario_hf(rank, *, wrapper, backend, skip_padding=False, checkpointing=False):
     """A Hugging Face BertModel after bert_fast.optimize() under DDP or FSDP2, against the same
-    HF model (eager attention, not optimized) trained on the whole batch in this process."""
+    HF model (eager attention, not optimized) trained on the whole batch in this process; with
+    ``checkpointing``, HF's gradient checkpointing (non-reentrant) set on the optimized model
+    before it is wrapped."""
     import copy
 
     from transformers import BertConfig, BertModel
@@ -322,6 +324,9 @@ def _scenario_hf(rank, *, wrapper, backend, skip_padding=False):
     ref = BertModel(cfg)
     ref.set_attn_implementation("eager")
     model = bert_fast.optimize(copy.deepcopy(ref), backend, skip_padding=skip_padding)
+    if checkpointing:
+        from bert_fast.host_bench import checkpoint_layers
+        checkpoint_layers(model, use_reentrant=False)
     ref_out = ref(tokens, mask, segments).last_hidden_state
     ((ref_out * weights * keep).sum() / WORLD_SIZE).backward()
     torch.optim.SGD(ref.parameters(), lr=LR).step()
@@ -337,9 +342,18 @@ def _scenario_hf(rank, *, wrapper, backend, skip_padding=False):
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
     mine = slice(rank * B // WORLD_SIZE, (rank + 1) * B // WORLD_SIZE)
     out = wrapped(tokens[mine], mask[mine], segments[mine]).last_hidden_state
+    where = f"rank {rank} ({wrapper}, HF)"
+    if checkpointing:
+        nodes, stack = set(), [out.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is not None and node not in nodes:
+                nodes.add(node)
+                stack.extend(next_node for next_node, _ in node.next_functions)
+        checks.true("_RecomputedEncoderLayerBackward" in {type(node).__name__ for node in nodes},
+                    f"{where}: the fused layers did not checkpoint themselves")
     (out * weights[mine] * keep[mine]).sum().backward()
     optimizer.step()
-    where = f"rank {rank} ({wrapper}, HF)"
     checks.close(out.detach() * keep[mine], ref_out.detach()[mine] * keep[mine], f"{where}: training output")
     _compare_grads_and_params(checks, model, ref, where)
     return checks.report()
@@ -539,3 +553,11 @@ def test_fsdp_pack_qkv_on_the_shards(ranks):
 def test_hf_model_step_matches_single_process(ranks, backend, wrapper, skip_padding):
     pytest.importorskip("transformers")
     _assert_reports(ranks.run("hf", wrapper=wrapper, backend=backend, skip_padding=skip_padding))
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+def test_hf_model_with_gradient_checkpointing_matches_single_process(ranks, wrapper):
+    """The fused layers checkpointing themselves (HF's gradient checkpointing) under DDP's
+    gradient hooks and FSDP2's unshard and reshard around each layer's forward and backward."""
+    pytest.importorskip("transformers")
+    _assert_reports(ranks.run("hf", wrapper=wrapper, backend="triton", checkpointing=True))
