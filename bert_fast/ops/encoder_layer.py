@@ -370,7 +370,7 @@ class _EncoderLayer(torch.autograd.Function):
     @staticmethod
     @once_differentiable("the fused encoder layer", "bert_fast::add_layernorm_bwd")
     def backward(ctx, grad_out):
-        return _layer_backward(ctx, ctx.saved_tensors, grad_out)
+        return _layer_backward(ctx, grad_out)
 
 
 class _Kept:
@@ -390,7 +390,7 @@ class _RecomputedEncoderLayer(torch.autograd.Function):
     same masks, whatever the generators did since) under the forward's autocast, then the
     layer's backward. What torch.utils.checkpoint does around _EncoderLayer, without its hooks
     on every saved tensor: on the CPU's GPU path (a 12-layer Hugging Face model, H 64, B1 L8,
-    2026-11-29, docs/host-time.md) checkpointing added ~15 ms of host time to a 13 ms
+    2026-11-29, docs/host-time.md) checkpointing added ~14 ms of host time to a 13 ms
     forward+backward through torch.utils.checkpoint (non-reentrant), ~3 ms (the recompute) this
     way. bert_fast.hf runs it for HF's gradient checkpointing.
 
@@ -414,11 +414,12 @@ class _RecomputedEncoderLayer(torch.autograd.Function):
         # choice of dtype the forward's).
         with torch.autocast(x.device.type, spec.amp_dtype) if spec.amp_dtype is not None else nullcontext():
             _layer_forward(spec, ctx.key_mask, ctx.packed, x, params, kept, ctx.seeds)
-        return _layer_backward(kept, kept.saved_tensors, grad_out)
+        return _layer_backward(kept, grad_out)
 
 
-def _layer_backward(ctx, saved, grad_out):
+def _layer_backward(ctx, grad_out):
     """The gradients of _EncoderLayer's inputs from what _layer_forward kept on ``ctx``."""
+    saved = ctx.saved_tensors
     (x_norm, x_gemm, w_qkv, qkv, context, projected, y, y_gemm, act_saved, h, f,
      w_o, ln1_w, w_1, b_1, w_2, ln2_w, mean1, rstd1, mean2, rstd2) = saved[:21]
     lses, key_mask, seeds = saved[ctx.lses_at:], ctx.key_mask, ctx.seeds
