@@ -43,6 +43,20 @@ def max_err(actual, expected):
     return diff.max().item() if diff.numel() else 0.0
 
 
+def autograd_node_names(output):
+    """The class names of the autograd nodes reachable from ``output`` (its grad_fn and every
+    node behind it), each node once."""
+    seen, stack, names = set(), [output.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
 def assert_close(actual, expected, atol, rtol=0.0, what="output"):
     """|actual - expected| <= atol + rtol * max|expected|, reporting the max error."""
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"

@@ -35,7 +35,7 @@ from bert_fast import FastBERTEncoder
 from bert_fast import reference as R
 from bert_fast.backend import resolve_backend
 from bert_fast.modules import _back_to_back_view
-from tests.helpers import encoder_config, max_err
+from tests.helpers import autograd_node_names, encoder_config, max_err
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="needs torch.distributed with the gloo backend")
@@ -344,13 +344,7 @@ def _scenario_hf(rank, *, wrapper, backend, skip_padding=False, checkpointing=Fa
     out = wrapped(tokens[mine], mask[mine], segments[mine]).last_hidden_state
     where = f"rank {rank} ({wrapper}, HF)"
     if checkpointing:
-        nodes, stack = set(), [out.grad_fn]
-        while stack:
-            node = stack.pop()
-            if node is not None and node not in nodes:
-                nodes.add(node)
-                stack.extend(next_node for next_node, _ in node.next_functions)
-        checks.true("_RecomputedEncoderLayerBackward" in {type(node).__name__ for node in nodes},
+        checks.true("_RecomputedEncoderLayerBackward" in autograd_node_names(out),
                     f"{where}: the fused layers did not checkpoint themselves")
     (out * weights[mine] * keep[mine]).sum().backward()
     optimizer.step()

@@ -26,8 +26,8 @@ from bert_fast.cuda_graph import CudaGraphFallbackWarning, cuda_graph_stats  # n
 from bert_fast.host_bench import checkpoint_layers  # noqa: E402
 from bert_fast.ops.embedding_layernorm import embedding_layernorm  # noqa: E402
 from tests import minilm  # noqa: E402
-from tests.helpers import (StubSteps, assert_close, interpreted_kernels, max_err, needs_kernels,  # noqa: E402
-                           peak_bytes)
+from tests.helpers import (StubSteps, assert_close, autograd_node_names, interpreted_kernels, max_err,  # noqa: E402
+                           needs_kernels, peak_bytes)
 from tests.isolated import call_in_child  # noqa: E402
 
 # A call that silently took HF's forward would compare HF with itself: fail on any fallback
@@ -483,19 +483,6 @@ def test_triton_backend_through_the_kernels():
             assert_close(q.grad, p.grad, ATOL, rtol=ATOL, what=f"grad {name}")
 
 
-def _layer_nodes(output):
-    """The names of the autograd nodes of the layers' outputs reachable from ``output``."""
-    seen, stack, names = set(), [output.grad_fn], []
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.append(type(node).__name__)
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return names
-
-
 FUSED_BACKENDS = [b for b in ("triton", "cuda") if b in available_backends()]
 
 
@@ -769,7 +756,7 @@ def test_training_layers_run_fused_with_hf_gradients(backend, act, amp, skip_pad
             out = model(ids, attention_mask=mask, token_type_ids=types, labels=labels)
         out.loss.backward()
         outs.append(out)
-    assert _layer_nodes(outs[1].loss).count("_EncoderLayerBackward") == fast.config.num_hidden_layers
+    assert autograd_node_names(outs[1].loss).count("_EncoderLayerBackward") == fast.config.num_hidden_layers
     tol = ATOL if amp is None else 5e-2
     assert_close(outs[1].loss, outs[0].loss, tol, what="loss")
     for (name, p), q in zip(ref.named_parameters(), fast.parameters()):
@@ -798,7 +785,7 @@ def test_fused_layers_with_dropout_draw_the_per_op_masks(backend, skip_padding):
         torch.manual_seed(3)
         out = fast(ids, mask, types).last_hidden_state
         out.square().mean().backward()
-        nodes = _layer_nodes(out)
+        nodes = autograd_node_names(out)
         assert ("_EncoderLayerBackward" in nodes) != wrapped, nodes
         results.append((out.detach(), [p.grad.clone() for p in fast.parameters() if p.grad is not None]))
     (fused, fused_grads), (per_op, per_op_grads) = results
@@ -845,7 +832,7 @@ def test_gradient_checkpointing_runs_fused_with_the_same_dropout(backend, kernel
         with warnings.catch_warnings():
             warnings.simplefilter("error", hf.HFFallbackWarning)
             loss = fast(ids, attention_mask=mask, token_type_ids=types, labels=labels).loss
-        nodes = _layer_nodes(loss)
+        nodes = autograd_node_names(loss)
         loss.backward()
         return [loss.detach()] + [p.grad for p in fast.parameters()], nodes, calls.count("layer"), calls.count("fused")
 
@@ -977,7 +964,7 @@ def test_fused_layers_through_the_kernels(backend, skip_padding):
     labels = torch.tensor([1, 0])
     with interpreted_kernels():
         got = fast(ids, attention_mask=mask, token_type_ids=types, labels=labels).loss
-        assert _layer_nodes(got).count("_EncoderLayerBackward") == fast.config.num_hidden_layers
+        assert autograd_node_names(got).count("_EncoderLayerBackward") == fast.config.num_hidden_layers
         got.backward()
     want = ref(ids, attention_mask=mask, token_type_ids=types, labels=labels).loss
     want.backward()
