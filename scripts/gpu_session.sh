@@ -49,6 +49,10 @@
 # ~35 s): build 37 s, `tests` with 12 workers 216 s to the end (2390 tests), column-sums-tiles 6 s,
 # profile-train 16 s, suite-train (--no-compile --preset base) 16 s, sanitize-racecheck 126 s for
 # the extension's half and 66 s for the Triton half's bf16 12x64 (its hazards all in cuBLAS).
+# On an H200 on 2026-11-29 (a host ~2x slower than the CPU VM's): build 67 s, `tests` (12
+# workers) cut at 240 s after 1357 tests, loss-curves 75 s, backward-host-cost 15 s,
+# profile-train-step 29 s, split-k-gemm 6 s, host-hf 70 s, suite-train (--no-compile --preset
+# base --backends auto torch triton) 40 s, attention-tiles 18 s: give `tests` ~420 s of its own.
 # A machine held idle for 30 s is given back and the next call starts a bare one (build again).
 #
 # STEP_TIMEOUT=S interrupts each step after S seconds (SIGINT: pytest prints what ran, and the
