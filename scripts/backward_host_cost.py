@@ -22,10 +22,20 @@ FastBERTEncoder on triton and cuda with the engine's threads on and off. If the 
 inside the backward is well above the main thread's, the cost is the thread's (GIL hand-offs,
 thread-local state, a colder cache), not our code. A GPU tool for scripts/gpu_session.sh's
 `backward-host-cost` step; on the CPU (a smoke test) both paths run in the calling thread.
+
+The H200's first run (2026-11-29, benchmarks/results/nvidia-h200-2026-11-29T2207-backward-host-cost.log)
+read an mm 15.7 µs in a backward against 10.7 in the main thread, and as much with the
+engine's threads off, so the thread alone did not explain it; yet the encoder's
+forward+backward took 37% less host time with the threads off (one block each, in that
+order). So two more places, each with what a backward differs in: the main thread under
+torch.no_grad() (a backward runs with grad mode off) and a plain Python thread (a thread
+other than the one that made the tensors), and the encoder's two settings alternate, call
+by call.
 """
 
 import argparse
 import statistics
+import threading
 import time
 
 import torch
@@ -102,6 +112,20 @@ def time_in_main(work, device):
     return seconds
 
 
+def time_in_main_no_grad(work, device):
+    with torch.no_grad():
+        return time_in_main(work, device)
+
+
+def time_in_thread(work, device):
+    """``work`` timed in a new Python thread (the caller waits for it)."""
+    seconds = []
+    thread = threading.Thread(target=lambda: seconds.append(time_in_main(work, device)))
+    thread.start()
+    thread.join()
+    return seconds[0]
+
+
 def time_in_backward(work, device, threads):
     x = torch.zeros(4, device=device, requires_grad=True)
     seconds = []
@@ -113,11 +137,15 @@ def time_in_backward(work, device, threads):
     return seconds[0]
 
 
-def encoder_backward_ms(model, inputs, device, threads, rounds):
-    """Median host ms of a forward+backward (host_bench's timing), after 3 untimed."""
-    with torch.autograd.set_multithreading_enabled(threads):
-        samples = forward_backward_seconds(model, inputs, device, rounds * 5 + 3)
-    return 1e3 * statistics.median(samples[3:])
+def encoder_backward_ms(model, inputs, device, rounds):
+    """{threads: median host ms of a forward+backward} (host_bench's timing) with autograd's
+    engine threads on and off, alternating call by call, after 3 untimed calls of each."""
+    samples = {True: [], False: []}
+    for call in range(rounds * 5 + 3):
+        for threads in ((True, False) if call % 2 else (False, True)):
+            with torch.autograd.set_multithreading_enabled(threads):
+                samples[threads] += forward_backward_seconds(model, inputs, device, 1)
+    return {threads: 1e3 * statistics.median(times[3:]) for threads, times in samples.items()}
 
 
 def main():
@@ -130,15 +158,19 @@ def main():
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"{name}, torch {torch.__version__}; host µs an op, median of {options.rounds} blocks of "
           f"{options.ops} ops")
-    print("| op | main thread | in a backward | in a backward, engine threads off |\n|---|---|---|---|")
+    print("| op | main thread | main thread, no_grad | another Python thread | in a backward "
+          "| in a backward, engine threads off |\n|---|---|---|---|---|---|")
     for op, work in workloads(device, options.ops).items():
         work()          # warm-up: cuBLAS handles, the caching allocator
-        places = (lambda: time_in_main(work, device), lambda: time_in_backward(work, device, True),
+        places = (lambda: time_in_main(work, device), lambda: time_in_main_no_grad(work, device),
+                  lambda: time_in_thread(work, device), lambda: time_in_backward(work, device, True),
                   lambda: time_in_backward(work, device, False))
-        cells = []
-        for place in places:
-            cells.append(1e6 * statistics.median(place() for _ in range(options.rounds)) / options.ops)
-        print(f"| {op} | " + " | ".join(f"{us:.2f}" for us in cells) + " |")
+        samples = [[] for _ in places]
+        for _ in range(options.rounds):      # the places in turn, round by round
+            for place, times in zip(places, samples):
+                times.append(place())
+        print(f"| {op} | " + " | ".join(f"{1e6 * statistics.median(times) / options.ops:.2f}"
+                                        for times in samples) + " |")
 
     config = encoder_config(SHAPE["num_layers"], SHAPE["num_hiddens"], SHAPE["num_heads"],
                             SHAPE["ffn_num_hiddens"], SHAPE["seq"], 0.0)
@@ -146,13 +178,12 @@ def main():
     models = build_models(config, backends, device)
     inputs = tuple(make_inputs(SHAPE["batch"], SHAPE["seq"], 0.5, VOCAB_SIZE, 0, device))
     print(f"\nThe host benchmark's encoder (12 layers, H 64, B{SHAPE['batch']} L{SHAPE['seq']}), train mode: "
-          "host ms a forward+backward, median")
+          "host ms a forward+backward, median; the two settings alternate call by call")
     print("| method | engine threads on | off |\n|---|---|---|")
     for method, model in models.items():
         model.train()
-        on = encoder_backward_ms(model, inputs, device, True, options.rounds)
-        off = encoder_backward_ms(model, inputs, device, False, options.rounds)
-        print(f"| {method} | {on:.2f} | {off:.2f} |")
+        ms = encoder_backward_ms(model, inputs, device, options.rounds)
+        print(f"| {method} | {ms[True]:.2f} | {ms[False]:.2f} |")
 
 
 if __name__ == "__main__":

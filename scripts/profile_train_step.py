@@ -75,28 +75,38 @@ def profile_step(step, batch, steps, device, vocab_size):
 
 
 def host_phases(step, batch, steps, device):
-    """{phase: median host ms a step} for unprofiled steps, the TrainStep's own phases timed
+    """{threads: {phase: median host ms a step}} for unprofiled steps with autograd's engine
+    threads on (True) and off, the two alternating step by step (the H200's first run of this,
+    2026-11-29, timed them in two blocks and read the backward 35% slower with them off, where
+    the host benchmark's encoder read 37% faster). The TrainStep's own phases are timed
     without synchronising between them: what the host spends issuing each (the time it blocks
     on a full launch queue included), then "wait", how long the GPU still ran after the host
-    had issued the step (near 0: host-bound; the host's phases are then the step's time)."""
+    had issued the step (near 0: host-bound; the host's phases are then the step's time).
+    Off, the backward runs in the calling thread, not autograd's device thread (on the CPU it
+    always does): whether that thread is what makes a GPU's backward cost its host ~3x the
+    forward (scripts/backward_host_cost.py times it op by op)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = {phase: [] for phase in ("zero_grad", "forward+loss", "backward", "optimizer step", "wait", "wall")}
-    for _ in range(steps):
-        sync()
-        t0 = time.perf_counter()
-        step.optimizer.zero_grad(set_to_none=True)
-        t1 = time.perf_counter()
-        loss = step.loss(*batch)
-        t2 = time.perf_counter()
-        loss.backward()
-        t3 = time.perf_counter()
-        step.optimizer.step()
-        t4 = time.perf_counter()
-        sync()
-        t5 = time.perf_counter()
-        for phase, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0)):
-            times[phase].append(1e3 * seconds)
-    return {phase: statistics.median(values) for phase, values in times.items()}
+    names = ("zero_grad", "forward+loss", "backward", "optimizer step", "wait", "wall")
+    times = {threads: {phase: [] for phase in names} for threads in (True, False)}
+    for index in range(2 * steps):
+        threads = index % 4 in (0, 3)            # on, off, off, on, ...: each follows each as often
+        with torch.autograd.set_multithreading_enabled(threads):
+            sync()
+            t0 = time.perf_counter()
+            step.optimizer.zero_grad(set_to_none=True)
+            t1 = time.perf_counter()
+            loss = step.loss(*batch)
+            t2 = time.perf_counter()
+            loss.backward()
+            t3 = time.perf_counter()
+            step.optimizer.step()
+            t4 = time.perf_counter()
+            sync()
+            t5 = time.perf_counter()
+        for phase, seconds in zip(names, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0)):
+            times[threads][phase].append(1e3 * seconds)
+    return {threads: {phase: statistics.median(values) for phase, values in phases.items()}
+            for threads, phases in times.items()}
 
 
 def backward_parts(step, batch, steps):
@@ -174,15 +184,11 @@ def main():
         print("| part | ms a step | share of kernels |\n|---|---|---|")
         for part, ms in sorted(parts.items(), key=lambda item: -item[1]):
             print(f"| {part} | {ms:.3f} | {100 * ms / total:.1f}% |")
-        for threads in (True, False):
-            # Off: the backward runs in the calling thread, not autograd's device thread (on the
-            # CPU it always does): whether that thread is what makes a GPU's backward cost its
-            # host ~3x the forward (scripts/backward_host_cost.py times it op by op).
-            with torch.autograd.set_multithreading_enabled(threads):
-                phases = host_phases(step, batch, max(options.steps, 10), device)
-            print(f"\nThe host's phases, unprofiled (median of {max(options.steps, 10)} steps"
-                  + ("" if threads else "; autograd's engine threads off") + "): "
-                  + ", ".join(f"{phase} {ms:.2f} ms" for phase, ms in phases.items()))
+        steps = max(options.steps, 10)
+        for threads, phases in host_phases(step, batch, steps, device).items():
+            print(f"\nThe host's phases, unprofiled (median of {steps} steps"
+                  + ("" if threads else "; autograd's engine threads off")
+                  + "; the two settings alternate): " + ", ".join(f"{phase} {ms:.2f} ms" for phase, ms in phases.items()))
         if method.startswith("optimize"):
             parts, backward_ms = backward_parts(step, batch, max(options.steps, 10))
             print(f"\nThe backward's host time: median {backward_ms:.2f} ms a step", end="")
