@@ -70,7 +70,7 @@ inputs, 3-D/4-D masks, unknown keyword arguments) runs HF's own forward on the s
 with one HFFallbackWarning per model and reason. Models the
 fast path cannot express (decoder or cross-attention configs, relative position embeddings,
 activations other than GELU/ReLU, subclasses of the HF classes, ...) are left untouched with a
-warning by optimize().
+warning by optimize(), as is every model under a transformers older than 4.57.
 """
 
 import operator
@@ -80,6 +80,7 @@ from functools import partial
 from itertools import chain, repeat
 
 import torch
+import transformers
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
@@ -156,6 +157,32 @@ def _check_embeddings(emb, hidden, swapped):
              f"position_embedding_type {getattr(emb, 'position_embedding_type', None)!r} (only 'absolute')")
 
 
+# transformers 5 has one self-attention class (the attention function picked by the config's
+# attn_implementation); transformers 4 has one per implementation over the same Parameters: the
+# eager BertSelfAttention and its subclass BertSdpaSelfAttention (sdpa, the default). The fast
+# path reads their Parameters only. transformers 4 is taken from its last release, 4.57, the
+# one tested (CI runs test_hf.py on it); earlier 4.x releases are left untouched.
+_HF_SELF_ATTENTION = ("BertSelfAttention", "BertSdpaSelfAttention")
+TRANSFORMERS_VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+OLDEST_TRANSFORMERS = (4, 57)
+
+
+def _is_hf_self_attention(module):
+    return type(module).__name__ in _HF_SELF_ATTENTION and type(module).__module__.startswith("transformers.")
+
+
+def _attention_dropout(attn):
+    """The rate of the attention weights' dropout as ``attn``'s own forward applies it now:
+    transformers 5 (``dropout=0.0 if not self.training else self.dropout.p``) and 4's sdpa class
+    (``self.dropout_prob if self.training``) by the attention module's mode, 4's eager class by
+    its nn.Dropout's (``self.dropout(attention_probs)``)."""
+    if TRANSFORMERS_VERSION >= (5, 0):
+        return attn.dropout.p if attn.training else 0.0
+    if type(attn).__name__ == "BertSdpaSelfAttention":
+        return attn.dropout_prob if attn.training else 0.0
+    return _dropout_rate(attn.dropout)
+
+
 def _check_layer(layer, index, hidden, swapped):
     where = f"encoder.layer.{index}"
     _require(isinstance(layer, FastBertLayer) if swapped else type(layer) in (BertLayer, FastBertLayer),
@@ -171,7 +198,7 @@ def _check_layer(layer, index, hidden, swapped):
         _require(type(module).forward is cls.forward, f"{where}.{name} of class {type(module).__name__} "
                  f"(its own forward; only {cls.__name__}'s is fused)")
     attn = layer.attention.self
-    _require(type(attn).__name__ == "BertSelfAttention", f"{where}.attention.self of class {type(attn).__name__}")
+    _require(_is_hf_self_attention(attn), f"{where}.attention.self of class {type(attn).__name__}")
     _require(getattr(attn, "position_embedding_type", "absolute") == "absolute",
              f"{where}: position_embedding_type {getattr(attn, 'position_embedding_type', None)!r}")
     _require(not getattr(attn, "is_causal", False), f"{where}: causal self-attention")
@@ -184,6 +211,9 @@ def _check_layer(layer, index, hidden, swapped):
     for name in ("query", "key", "value"):
         proj = getattr(attn, name)
         _require(getattr(proj, "out_features", hidden) == hidden, f"{where}.{name} does not produce {hidden} features")
+    if hasattr(attn, "dropout_prob"):    # transformers 4's sdpa class: its rate, not its nn.Dropout's
+        _require(0 <= attn.dropout_prob < 1, f"{where}.attention.self's sdpa dropout with p {attn.dropout_prob} "
+                 "(the kernels take [0, 1))")
     for name, dropout in (("attention.self.dropout", attn.dropout), ("attention.output.dropout",
                           layer.attention.output.dropout), ("output.dropout", layer.output.dropout)):
         _require(type(dropout) is nn.Dropout, f"{where}.{name} is {type(dropout).__name__}, not nn.Dropout")
@@ -197,6 +227,8 @@ def check_supported(model, swapped=False):
     """Raise Unsupported (saying why) unless the fast path computes ``model`` (a BertModel) exactly.
     ``swapped``: the model is optimize()'s already (re-checked when its submodules change); its
     classes may be subclasses of ours (FSDP2's fully_shard makes them)."""
+    _require(TRANSFORMERS_VERSION >= OLDEST_TRANSFORMERS, f"transformers {transformers.__version__} (the fast "
+             "path takes transformers 4.57 and 5.x: upgrade transformers to use it)")
     _require(swapped or type(model) in (BertModel, FastBertModel), f"class {type(model).__name__} (a subclass may "
              "have its own forward; only transformers' BertModel itself is swapped)")
     _require("forward" not in model.__dict__, "a forward set on the instance (accelerate's cpu_offload and "
@@ -267,7 +299,7 @@ class _Submodules:
         # count, a scaling, a rate set later): a change re-checks as a replaced module does
         # (~3 us for 12 layers; a table's options are FastBertEmbeddings' to see, on each call).
         self.value_holders = [m for m in self.children
-                              if isinstance(m, nn.Dropout) or type(m).__name__ == "BertSelfAttention"]
+                              if isinstance(m, nn.Dropout) or _is_hf_self_attention(m)]
         self.checked_values = self.values()
         self.encoder_modules = list(model.encoder.named_modules(prefix="encoder"))
         self.instance_dicts = [m.__dict__ for _, m in self.encoder_modules]
@@ -287,7 +319,8 @@ class _Submodules:
 
     def values(self):
         return [(m.__dict__.get("num_attention_heads"), m.__dict__.get("attention_head_size"),
-                 m.__dict__.get("scaling"), m.__dict__.get("p")) for m in self.value_holders]
+                 m.__dict__.get("scaling"), m.__dict__.get("p"), m.__dict__.get("dropout_prob"))
+                for m in self.value_holders]
 
     def changed(self):
         children, classes = self.current()
@@ -449,9 +482,9 @@ class FastBertLayer(_KeepsQKVPacked, BertLayer):
         backend = backend_of(self.bert_fast_backend, X)
         attention, intermediate, output = self.attention, self.intermediate, self.output
         attn, attn_out = attention.self, attention.output
-        # Each dropout in the mode HF's code reads: the attention weights' BertSelfAttention's
-        # (`dropout=0.0 if not self.training`), the hidden states' their nn.Dropout's own.
-        attn_dropout = attn.dropout.p if attn.training else 0.0
+        # Each dropout in the mode HF's code reads: the attention weights' as their attention
+        # module's forward does (_attention_dropout), the hidden states' their nn.Dropout's own.
+        attn_dropout = _attention_dropout(attn)
         drop1, drop2 = attn_out.dropout, output.dropout
         # Hooks inside a layer send FastBertModel's calls to HF's forward (_Submodules).
         if (backend != "torch" and X.dim() == (3 if mask.unpadding is None else 2) and not torch.compiler.is_compiling()
@@ -541,6 +574,22 @@ def _readable_on_host(tensor):
     return values_on_host(tensor)
 
 
+def _output_settings(config, kwargs):
+    """(output_hidden_states, return_dict) of a call as the installed transformers' BertModel
+    reads them: transformers 5 (its capture_outputs) takes a keyword given, even None, over the
+    config, and returns a tuple only for return_dict False; transformers 4 reads the config
+    where a keyword is None, and its ``use_return_dict`` (False under config.torchscript)."""
+    hidden, return_dict = kwargs.get("output_hidden_states"), kwargs.get("return_dict")
+    if TRANSFORMERS_VERSION >= (5, 0):
+        if "output_hidden_states" not in kwargs:
+            hidden = getattr(config, "output_hidden_states", False)
+        if "return_dict" not in kwargs:
+            return_dict = getattr(config, "return_dict", True)
+        return bool(hidden), return_dict is not False
+    return (bool(config.output_hidden_states if hidden is None else hidden),
+            bool(config.use_return_dict if return_dict is None else return_dict))
+
+
 class FastBertModel(BertModel):
     """transformers' BertModel with bert_fast's forward (see the module docstring).
 
@@ -617,12 +666,8 @@ class FastBertModel(BertModel):
         if reason is not None:
             self._warn_fallback(reason)
             return super().forward(input_ids, attention_mask, token_type_ids, position_ids, *args, **kwargs)
-        # As transformers 5's BertModel reads them (its capture_outputs): a keyword given, even
-        # None, over the config; a tuple only for return_dict False.
-        config = self.config
         return self._fast_forward(input_ids, attention_mask, token_type_ids, position_ids,
-                                  bool(kwargs.get("output_hidden_states", getattr(config, "output_hidden_states", False))),
-                                  kwargs.get("return_dict", getattr(config, "return_dict", True)) is not False)
+                                  *_output_settings(self.config, kwargs))
 
     def _fast_forward(self, input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states,
                       return_dict):
