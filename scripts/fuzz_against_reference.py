@@ -158,6 +158,8 @@ def hf_case(rng, case):
     model = transformers.BertModel(config).train(train)
     fast = bert_fast.optimize(copy.deepcopy(model), backend="triton" if backend == "interpreter" else backend,
                               skip_padding=skip).train(train)
+    # (a model optimize() left untouched would be compared with itself)
+    assert isinstance(fast, bert_fast.hf.FastBertModel), f"optimize() left the model untouched: {what}"
     ids = torch.randint(0, 40, (batch, seqlen))
     kwargs = {}
     mask = torch.ones(batch, seqlen, dtype=torch.long)
