@@ -579,13 +579,10 @@ def _output_settings(config, kwargs):
     reads them: transformers 5 (its capture_outputs) takes a keyword given, even None, over the
     config, and returns a tuple only for return_dict False; transformers 4 reads the config
     where a keyword is None, and its ``use_return_dict`` (False under config.torchscript)."""
-    hidden, return_dict = kwargs.get("output_hidden_states"), kwargs.get("return_dict")
     if TRANSFORMERS_VERSION >= (5, 0):
-        if "output_hidden_states" not in kwargs:
-            hidden = getattr(config, "output_hidden_states", False)
-        if "return_dict" not in kwargs:
-            return_dict = getattr(config, "return_dict", True)
-        return bool(hidden), return_dict is not False
+        return (bool(kwargs.get("output_hidden_states", getattr(config, "output_hidden_states", False))),
+                kwargs.get("return_dict", getattr(config, "return_dict", True)) is not False)
+    hidden, return_dict = kwargs.get("output_hidden_states"), kwargs.get("return_dict")
     return (bool(config.output_hidden_states if hidden is None else hidden),
             bool(config.use_return_dict if return_dict is None else return_dict))
 
