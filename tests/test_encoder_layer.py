@@ -13,6 +13,7 @@ import importlib
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bert_fast import ops
 from bert_fast import reference as R
@@ -507,6 +508,52 @@ def test_fused_layer_under_autocast_through_the_kernels(backend, dropout, monkey
     block = make_block(backend, dropout=dropout, use_bias=True, activation="gelu" if dropout else "relu")
     with interpreted_kernels():
         check_autocast(block, ops.prepare_key_mask(VALID_LENS["1d"], L, backend), torch.float16, monkeypatch)
+
+
+class _CountCasts(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.casts = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.casts += func is torch.ops.aten._to_copy.default
+        return func(*args, **(kwargs or {}))
+
+
+@needs_kernels
+@pytest.mark.skipif(torch.cuda.is_available() or not interpreting(), reason="interpreter only")
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_autocast_add_norms_take_the_branch_in_its_dtype_with_the_same_bits(backend, dropout, monkeypatch):
+    """Under autocast on the kernels' path the add-norms read the branch's GEMM output in
+    autocast's dtype beside the fp32 residual, and their backward writes the branch's gradient
+    in it (encoder_layer._mixed_add_norms): four casts a layer fewer than casting both ways, the
+    same output and gradients bit for bit. (On ``cuda`` the casting path's forwards are the
+    extension's, the mixed path's Triton's: the same up to rounding.)"""
+    layer_module = importlib.import_module("bert_fast.ops.encoder_layer")
+    block = make_block(backend, dropout=dropout, use_bias=True, activation="gelu")
+    x, grad_out = inputs()
+    results, casts = [], []
+    for mixed in (True, False):
+        with monkeypatch.context() as patch, interpreted_kernels(), torch.autocast("cpu", torch.float16):
+            if not mixed:
+                patch.setattr(layer_module, "_mixed_add_norms", lambda spec, x: False)
+            key_mask = ops.prepare_key_mask(VALID_LENS["1d"], L, backend)
+            counter = _CountCasts()
+            with counter:
+                results.append(run(block, x, key_mask, grad_out))
+        casts.append(counter.casts)
+        assert type(results[-1][1]).__name__ == "_EncoderLayerBackward"
+    (out, _, grads), (want, _, want_grads) = results
+    assert out.dtype == torch.float32
+    if backend == "triton":
+        assert torch.equal(out, want)
+        for name, grad in want_grads.items():
+            assert (grads[name] is None) == (grad is None), name
+            assert grad is None or torch.equal(grads[name], grad), name
+    else:
+        assert_same(results[0], results[1], atol=AMP_TOLERANCE[torch.float16], rtol=AMP_TOLERANCE[torch.float16])
+    assert casts[0] == casts[1] - 4, f"casts with mixed add-norms {casts[0]}, without {casts[1]}"
 
 
 @needs_kernels

@@ -124,12 +124,13 @@ def _add_layernorm_bwd_kernel(grad_out_ptr, x_ptr, residual_ptr, weight_ptr, mea
                               grad_row_stride, x_row_stride, residual_row_stride, n_rows, hidden,
                               dropout_p, keep_scale, seed_ptr,
                               HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_X_BIAS: tl.constexpr,
-                              HAS_DROPOUT: tl.constexpr, BLOCK_H: tl.constexpr,
+                              HAS_DROPOUT: tl.constexpr, STORE_D_X: tl.constexpr, BLOCK_H: tl.constexpr,
                               ROWS_PER_PROGRAM: tl.constexpr):
     # Column sums of this program's rows go to partial_ptr, (programs, parts, hidden) fp32, in
     # the order d_weight, d_bias, d_x_bias (those asked for): the host reduces them in one sum.
     # d_x_bias is the column sum of d_x, the gradient of a bias added to x before this op (the
-    # sublayer's output bias), so that bias needs no pass of its own over d_x.
+    # sublayer's output bias), so that bias needs no pass of its own over d_x. d_x is stored
+    # (STORE_D_X) where it differs from d_residual: with dropout, or in x's narrower dtype.
     # fp32 whatever the caller typed them: fp64 (torch.compile's type for a float argument)
     # would make the loop-carried sums fp64, which Triton refuses to compile.
     dropout_p, keep_scale = tl.cast(dropout_p, tl.float32), tl.cast(keep_scale, tl.float32)
@@ -170,6 +171,7 @@ def _add_layernorm_bwd_kernel(grad_out_ptr, x_ptr, residual_ptr, weight_ptr, mea
         d_x = d_sum
         if HAS_DROPOUT:
             d_x = tl.where(keep, d_sum * keep_scale, 0.0)
+        if STORE_D_X:
             tl.store(d_x_ptr + rows64 * hidden + cols[None, :], d_x.to(d_x_ptr.dtype.element_ty), mask=mask)
         if HAS_X_BIAS:
             # fp32 before d_x is rounded to its dtype; padded columns of d_sum are not zero.
@@ -249,7 +251,12 @@ def _add_layernorm_fwd_triton(x, residual, weight, bias, eps, seed, dropout_p, s
     ``stats=False`` (inference: no backward will read them): mean and rstd are None, neither
     allocated nor stored. ``check=False``: the inputs are made by our own code (the fused
     encoder layer's, whose module checked the user's), so shapes, dtypes and devices hold by
-    construction; the checks were ~4 us of host time a call, 24 calls a BERT-base forward."""
+    construction; the checks were ~4 us of host time a call, 24 calls a BERT-base forward.
+
+    Unchecked, x may be in a narrower float dtype than residual, weight and bias (the fused
+    layer under autocast: the branch's GEMM output in autocast's dtype, the residual in the
+    norm's, fp32): the kernel reads each in its own dtype and sums in fp32, as a cast of x
+    would, and out takes the residual's dtype; one cast launch a call fewer."""
     if check:
         _check_fwd_inputs(x, residual, weight, bias, seed, dropout_p)
     require_triton(x, residual, weight, bias)
@@ -257,9 +264,10 @@ def _add_layernorm_fwd_triton(x, residual, weight, bias, eps, seed, dropout_p, s
     x2, x_stride, n_rows = rows(x, hidden)
     residual2, residual_stride, _ = rows(residual, hidden)
     # Allocated in x's shape (contiguous: the kernel writes rows of `hidden`), not as a view of
-    # a 2-D buffer: autograd forbids in-place edits of an op's output that is a view.
+    # a 2-D buffer: autograd forbids in-place edits of an op's output that is a view. In the
+    # residual's dtype, x's but for the fused layer's mixed inputs (_layer_forward).
     # empty_like and new_empty: ~1.5 us less host time than torch.empty(x.shape, dtype=..., device=...).
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    out = torch.empty_like(residual, memory_format=torch.contiguous_format)
     mean = x.new_empty(n_rows, dtype=torch.float32) if stats else None
     rstd = x.new_empty(n_rows, dtype=torch.float32) if stats else None
     if not nothing_to_launch(n_rows):
@@ -292,9 +300,11 @@ def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, d
     and with ``x_bias`` a fifth, d_x's column sum: the gradient of a bias added to x.
 
     Gradients this call need not compute come back as None (as the CPU kernel's; the registered
-    op returns empty tensors): d_x when dropout_p == 0 (it equals d_residual), d_weight when
-    weight is None, d_bias when not has_bias. The (H,) gradients are views of one (parts, H)
-    tensor: one reduction makes them all.
+    op returns empty tensors): d_x when dropout_p == 0 (it equals d_residual) and x has the
+    residual's dtype, d_weight when weight is None, d_bias when not has_bias. The (H,) gradients
+    are views of one (parts, H) tensor: one reduction makes them all. With the forward's mixed
+    inputs (see _add_layernorm_fwd_triton) d_residual and the sums take the residual's dtype and
+    d_x is stored in x's, rounded once from fp32 as a cast of d_residual would be.
 
     ``check=False``: the inputs are a forward's, checked when it ran, and the forward's output
     gradient (autograd gives it the output's shape and dtype): the backward of our own
@@ -314,8 +324,9 @@ def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, d
     has_dropout = dropout_p > 0.0
     block_h, rows_per_program, num_warps = _layernorm_bwd_blocks(hidden)
     programs = reduction_programs(x.device, cdiv(n_rows, rows_per_program))
-    d_residual = torch.empty_like(x, memory_format=torch.contiguous_format)
-    d_x = torch.empty_like(x, memory_format=torch.contiguous_format) if has_dropout else None
+    d_residual = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    store_d_x = has_dropout or x.dtype != residual.dtype
+    d_x = torch.empty_like(x, memory_format=torch.contiguous_format) if store_d_x else None
     has_weight = weight is not None
     parts = has_weight + has_bias + x_bias
     # Programs without rows still store their (zero) partial rows, so it needs no zeroing.
@@ -327,12 +338,12 @@ def _add_layernorm_bwd_triton(grad_out, x, residual, weight, mean, rstd, seed, d
             grad_stride, x_stride, residual_stride, n_rows, hidden,
             dropout_p, keep_scale(dropout_p), seed,
             HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, HAS_X_BIAS=x_bias, HAS_DROPOUT=has_dropout,
-            BLOCK_H=block_h, ROWS_PER_PROGRAM=rows_per_program, num_warps=num_warps)
+            STORE_D_X=store_d_x, BLOCK_H=block_h, ROWS_PER_PROGRAM=rows_per_program, num_warps=num_warps)
     if defer_sums:
         return d_residual, d_x, partials.zero_() if empty and parts else partials
     if parts:
-        sums = (torch.zeros((parts, hidden), dtype=x.dtype, device=x.device) if empty
-                else column_sums(partials, x.dtype))
+        sums = (torch.zeros((parts, hidden), dtype=residual.dtype, device=x.device) if empty
+                else column_sums(partials, residual.dtype))
         sums = iter(sums.unbind(0))
     grads = (d_residual, d_x, next(sums) if has_weight else None, next(sums) if has_bias else None)
     return grads + (next(sums),) if x_bias else grads

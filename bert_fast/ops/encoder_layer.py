@@ -275,7 +275,7 @@ def _layernorm_backward(spec, has_x_bias, grad, x, residual, weight, mean, rstd,
     if sums is not None:
         d_res, d_drop, partials = _add_layernorm_bwd_triton(grad, x, residual, weight, mean, rstd, seed, p, has_bias,
                                                             has_x_bias, check=False, defer_sums=True)
-        return (d_res, d_drop if p > 0.0 else d_res,
+        return (d_res, d_res if d_drop is None else d_drop,
                 *sums.add(partials, (weight is not None, has_bias, has_x_bias)))
     if spec.extension:
         d_res, d_drop, d_weight, d_bias = _ext_bwd(grad, x, residual, weight, mean, rstd, seed, p, has_bias)
@@ -294,7 +294,8 @@ def _layer_forward(spec, key_mask, packed, x, params, ctx=None, seeds=None):
     seeds to use (a recompute's: _RecomputedEncoderLayer), else drawn here."""
     (w_q, w_k, w_v, b_q, b_k, b_v, w_o, b_o, ln1_w, ln1_b, w_1, b_1, w_2, b_2, ln2_w, ln2_b) = params
     p, amp = spec.dropout_p, spec.amp_dtype
-    ln_fwd = _layernorm_forward(spec.extension, ctx is not None, cpu_kernel(x))
+    mixed = _mixed_add_norms(spec, x)
+    ln_fwd = _layernorm_forward(spec.extension and not mixed, ctx is not None, cpu_kernel(x))
     w_qkv, b_qkv = _packed((w_q, w_k, w_v), packed[0]), _packed((b_q, b_k, b_v), packed[1])
     if amp is None:
         x_gemm, norm_dtype = x, x.dtype
@@ -313,7 +314,9 @@ def _layer_forward(spec, key_mask, packed, x, params, ctx=None, seeds=None):
     if seeds is None:
         seeds = _draw_seeds(p, x.device)
     context, lses = _attention_forward(qkv, key_mask, spec.num_heads, p, seeds[0], ctx is not None)
-    projected = as_dtype(F.linear(context, w_o, b_o), norm_dtype)
+    projected = F.linear(context, w_o, b_o)
+    if not mixed:
+        projected = as_dtype(projected, norm_dtype)
     gemm_dtype = qkv.dtype
     if ctx is None:
         del x_gemm, qkv, context
@@ -331,7 +334,9 @@ def _layer_forward(spec, key_mask, packed, x, params, ctx=None, seeds=None):
         h = _bias_act_fwd(z, b_1, spec.activation)
         act_saved = z if ctx is not None else None
         del z
-    f = as_dtype(F.linear(h, w_2, b_2), norm_dtype)
+    f = F.linear(h, w_2, b_2)
+    if not mixed:
+        f = as_dtype(f, norm_dtype)
     if ctx is None:
         del rows, act_saved, h
     # On x's shape: the output is then the kernel's fresh tensor, not a view of it (a view
@@ -352,6 +357,16 @@ def _layer_forward(spec, key_mask, packed, x, params, ctx=None, seeds=None):
         ctx.spec, ctx.biases = spec, tuple(b is not None for b in (b_qkv, b_o, ln1_b, ln2_b))
         ctx.qkv_dtype = w_q.dtype
     return out
+
+
+def _mixed_add_norms(spec, x):
+    """Whether the add-norms take the branch's GEMM output in autocast's dtype as it is, beside
+    the residual in their own (Triton's kernels read each input in its dtype and sum in fp32):
+    under autocast on the kernels' path, where the backward is Triton's (not the extension's,
+    whose ops take one dtype; nor the CPU kernels). The forward's two casts to the norm's dtype
+    and the backward's two back are left out (four launches a layer), and the branch outputs
+    are saved at half the size; the results are the same bits."""
+    return spec.amp_dtype is not None and not cpu_kernel(x) and not (spec.extension and EXTENSION_ADDNORM_BACKWARD)
 
 
 def _draw_seeds(p, device):
@@ -465,7 +480,7 @@ def _layer_backward(ctx, grad_out):
     d_res, d_projected, d_ln1_w, d_ln1_b, d_b_o = _layernorm_backward(
         spec, has_b_o and needs[11], d_y, projected, rows, ln1_w, mean1, rstd1, seeds[1], has_ln1_b, sums)
     if sums is not None:
-        sums.finish(projected.dtype)
+        sums.finish(y.dtype)          # the add-norms' dtype
         d_ln2_w, d_ln2_b, d_b2, d_b1, d_ln1_w, d_ln1_b, d_b_o = map(
             sums.take, (d_ln2_w, d_ln2_b, d_b2, d_b1, d_ln1_w, d_ln1_b, d_b_o))
     d_projected = as_dtype(d_projected, gemm_dtype)
@@ -478,7 +493,8 @@ def _layer_backward(ctx, grad_out):
     thirds = (hidden,) * 3         # split_with_sizes: Tensor.split's Python wrapper costs ~2.5 us more
     d_w_qkv = (as_dtype(d_qkv.t().mm(rows_gemm), ctx.qkv_dtype).split_with_sizes(thirds) if any(needs[4:7])
                else (None,) * 3)
-    d_b_qkv = (as_dtype(d_qkv.sum(0), ctx.qkv_dtype).split_with_sizes(thirds) if has_b_qkv and any(needs[7:10])
+    # Summed into the Parameters' dtype (under autocast fp32: one launch, no cast after it).
+    d_b_qkv = (d_qkv.sum(0, dtype=ctx.qkv_dtype).split_with_sizes(thirds) if has_b_qkv and any(needs[7:10])
                else (None,) * 3)
     d_x = _add_product(d_res, d_qkv, w_qkv).view(x_norm.shape) if needs[3] else None
     return (None, None, None, d_x, *d_w_qkv, *d_b_qkv, d_w_o, d_b_o,
@@ -489,11 +505,12 @@ def _layer_backward(ctx, grad_out):
 
 def _add_product(c, a, b):
     """c + a @ b, in one GEMM where the dtypes allow (the residual's gradient folded in); under
-    autocast c is in the add-norm's dtype (fp32 on CUDA) and the product in autocast's, cast
-    to c's first where they differ."""
+    autocast c is in the add-norm's dtype (fp32 on CUDA) and the product in autocast's: added
+    into c in place, in c's dtype (one launch where a cast and an add were two). c is an
+    add-norm backward's fresh d_residual, which nothing else reads."""
     if c.dtype == a.dtype:
         return torch.addmm(c, a, b)
-    return c + a.mm(b).to(c.dtype)
+    return c.add_(a.mm(b))
 
 
 def encoder_layer(spec, x, key_mask, params, packed=(None, None), recompute=False):
