@@ -655,7 +655,8 @@ def host_record_markdown(record):
         f"{config['num_heads']} heads, FFN {config['ffn_num_hiddens']}, B {config['batch']}, "
         f"L {config['seq']}, dropout {config['dropout']}, check_inputs {config['check_inputs']}"
         f"{', skip_padding' if config.get('skip_padding') else ''}"
-        f"{_checkpointing(config.get('checkpointing', 'off'))}; "
+        f"{_checkpointing(config.get('checkpointing', 'off'))}"
+        f"{', under autocast ' + config['autocast'] if config.get('autocast') else ''}; "
         f"{config['rounds']} interleaved rounds of {config['calls_per_round']} calls.\n"
         f"Command: `{shlex.join(record['command'])}`")
     parts = [caption]

@@ -26,6 +26,10 @@ the reference is that model's own forward, the fast rows are copies of it after
 TorchDispatchMode sees every call that reaches a kernel), and on CUDA the kernel launches per
 layer (the profiler's device events).
 
+``--autocast bfloat16`` runs every call under ``torch.autocast`` (fp32 Parameters), as
+mixed-precision training and the suite's training step do: the casts of weights and gradients
+(launches of their own on a GPU) are then part of each row's host work.
+
 What a CPU measurement does and does not show: the modules' Python, the autograd machinery,
 the dispatcher and the allocations are the same on CPU and GPU tensors; the kernels are not.
 On CPU tensors the "triton" backend runs its ops' CPU kernels (plain PyTorch: SDPA, one
@@ -306,9 +310,13 @@ def gpu_path_arch():
     return None if _triton.interpreting() else GPU_PATH_ARCH
 
 
-def _context(name):
-    """What a row's calls run in: gpu_launch_path for GPU_PATH, else nothing."""
-    return gpu_launch_path(gpu_path_arch()) if name == GPU_PATH else contextlib.nullcontext()
+@contextlib.contextmanager
+def _context(name, amp=None):
+    """What a row's calls run in: gpu_launch_path for GPU_PATH, and torch.autocast where ``amp``
+    names one ((device type, dtype), --autocast)."""
+    with gpu_launch_path(gpu_path_arch()) if name == GPU_PATH else contextlib.nullcontext():
+        with torch.autocast(*amp) if amp is not None else contextlib.nullcontext():
+            yield
 
 
 def count_ops(model, mode, inputs):
@@ -354,7 +362,7 @@ def forward_backward_seconds(model, inputs, device, calls):
     return samples
 
 
-def time_mode(models, mode, inputs, device, rounds, calls, warmup, progress=None):
+def time_mode(models, mode, inputs, device, rounds, calls, warmup, progress=None, amp=None):
     """Host microseconds per call of each model: {name: [per-round medians]}.
 
     forward: ``calls`` back-to-back calls per round, one synchronize at the end (so on a GPU this
@@ -368,7 +376,7 @@ def time_mode(models, mode, inputs, device, rounds, calls, warmup, progress=None
             if progress is not None:
                 what = "warmup" if round_index < 0 else f"round {round_index + 1}/{rounds}"
                 progress.update(f"{mode}: {name}: {what}")
-            with _context(name):
+            with _context(name, amp):
                 if mode != "forward+backward":
                     synchronize(device)
                     start = time.perf_counter()
@@ -419,19 +427,20 @@ def run(options, progress):
     else:
         models = build_models(config, options.backends, device, check_inputs=options.check_inputs,
                               gpu_path=options.gpu_path, skip_padding=options.skip_padding)
+    amp = None if options.autocast is None else (device.type, getattr(torch, options.autocast))
     rows = []
     for mode in options.modes:
         _prepare(models, mode)
         ops, launches = {}, {}
         with _graphs_on(models, device) if mode == GRAPHED else contextlib.nullcontext():
             for name, model in models.items():
-                with _context(name):
+                with _context(name, amp):
                     for _ in range(2):         # first calls: lazy initialisation, Triton compiles, captures
                         _call(model, mode, inputs)
                     ops[name] = count_ops(model, mode, inputs)
                     launches[name] = count_launches(model, mode, inputs, device, name)
             per_round = time_mode(models, mode, inputs, device, options.rounds, options.calls, options.warmup,
-                                  progress)
+                                  progress, amp)
         rows += make_rows(mode, per_round, ops, launches, options.layers)
         _prepare(models, "forward")
     return rows
@@ -448,7 +457,7 @@ def make_record(rows, options, argv):
                     ffn_num_hiddens=options.ffn, vocab_size=VOCAB_SIZE, batch=options.batch,
                     seq=options.seq, dropout=options.dropout, check_inputs=options.check_inputs,
                     skip_padding=options.skip_padding, checkpointing=options.checkpointing,
-                    rounds=options.rounds, calls_per_round=options.calls, warmup_rounds=options.warmup,
+                    autocast=options.autocast, rounds=options.rounds, calls_per_round=options.calls, warmup_rounds=options.warmup,
                     seed=options.seed, timing=TIMING),
         rows=rows)
 
@@ -513,6 +522,10 @@ def build_parser():
     parser.add_argument("--checkpointing", choices=["off", "non-reentrant", "reentrant"], default="off",
                         help="--model hf: HF's gradient checkpointing on every model (forward+backward), "
                              "use_reentrant as named (default: %(default)s)")
+    parser.add_argument("--autocast", choices=["bfloat16", "float16"],
+                        help="every call under torch.autocast(device, this dtype), as mixed-precision "
+                             "training runs (the Parameters stay fp32: the casts of weights and gradients "
+                             "are part of the host work; default: off)")
     parser.add_argument("--rounds", type=int, metavar="N", default=15,
                         help="timed rounds, each calling every method (default: %(default)s)")
     parser.add_argument("--calls", type=int, metavar="N", default=20,

@@ -313,6 +313,11 @@ for step in "$@"; do
     host)
         # Host time of a forward and forward+backward at negligible arithmetic, kernel launches per layer.
         run host python -m bert_fast.bench --suite host --json "$results/$stamp-host.json" ;;
+    host-amp)
+        # The same under autocast bf16, as the training step runs (fp32 weights: the casts of weights
+        # and gradients are launches of their own), forward+backward only.
+        run host-amp python -m bert_fast.bench --suite host --autocast bfloat16 --modes forward+backward \
+            --json "$results/$stamp-host-amp.json" ;;
     host-hf)
         # The same for a Hugging Face BertModel of that size against copies after optimize().
         run host-hf python -m bert_fast.bench --suite host --model hf --json "$results/$stamp-host-hf.json" ;;
@@ -333,7 +338,7 @@ for step in "$@"; do
         echo "unknown step '$step' (install build tests-gpu tests sanitize sanitize-memcheck sanitize-racecheck" \
              "kernels profile profile-blas profile-graph-call profile-train profile-train-step backward-host-cost" \
              "kernels-small attention-tiles attention-bwd-tiles attention-dropout-tiles layernorm-tiles layernorm-fwd-tiles" \
-             "bias-act-tiles column-sums-tiles loss-curves small-m-gemm split-k-gemm ncu-small host host-hf host-skip-padding suite-base" \
+             "bias-act-tiles column-sums-tiles loss-curves small-m-gemm split-k-gemm ncu-small host host-amp host-hf host-skip-padding suite-base" \
              "suite-base-fp16 suite-large suite-train matrix)" >&2
         failures=$((failures + 1)) ;;
     esac

@@ -282,6 +282,22 @@ def test_host_benchmark_times_the_gpu_path(capsys, skip_padding, monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU path row is for machines without a GPU")
+def test_host_benchmark_under_autocast(capsys):
+    """--autocast: every row's calls under torch.autocast, so the casts of the fp32 weights and
+    of their gradients are in the host work (and the ATen calls counted); said in the record."""
+    ops = {}
+    for amp in (None, "bfloat16"):
+        record = host_bench.main(["--suite", "host", "--layers", "2", "--rounds", "1", "--calls", "1",
+                                  "--warmup", "0", "--backends", "torch", "--modes", "forward+backward",
+                                  "--no-record"] + (["--autocast", amp] if amp else []), record_argv=["test"])
+        assert record["config"]["autocast"] == amp
+        ops[amp] = {row["method"]: row["aten_ops_per_layer"] for row in record["rows"]}
+        assert ("under autocast bfloat16;" in capsys.readouterr().out) == (amp is not None)
+    for method in ("reference", "fast[torch]", host_bench.GPU_PATH):
+        assert ops["bfloat16"][method] > ops[None][method], (method, ops)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU path row is for machines without a GPU")
 def test_host_benchmark_of_a_hugging_face_model(capsys, monkeypatch):
     """--model hf: transformers' BertModel against copies of it after optimize(), every mode;
     the GPU path row launches the fused layers' kernels (not HF's forward, which launches none)."""
