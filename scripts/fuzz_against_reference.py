@@ -2,7 +2,7 @@
 must equal, for as long as asked.
 
   python scripts/fuzz_against_reference.py encoder [--seed S] [--cases N] [--seconds T]
-  python scripts/fuzz_against_reference.py hf | dropout | graphs ...
+  python scripts/fuzz_against_reference.py hf | dropout | autocast | graphs ...
 
 encoder  FastBERTEncoder against the book's reference (or, for GELU and learnable positions,
          which the reference lacks, against the torch backend): every backend, and the Triton
@@ -14,6 +14,10 @@ hf       bert_fast.optimize(transformers BertModel) against HF's eager model: pr
          HF's gradient checkpointing (reentrant or not) on both models.
 dropout  with dropout: the triton backend's CPU twins, the Triton kernels (interpreter) and
          the cuda backend draw the same masks: equal outputs and gradients.
+autocast the triton backend's fused layers under autocast (fp16: the interpreter's dot mistreats
+         bf16) through the Triton kernels (interpreter), train mode, dropout or not: the add-norms
+         fed the branch in autocast's dtype (ops.encoder_layer._mixed_add_norms) against the
+         same layers casting it: equal outputs and gradients, bit for bit.
 graphs   cuda_graphs=True with the capture stubbed as the tests stub it (tests.helpers.StubSteps):
          call sequences over shape buckets, graph caps, length forms, skip_padding and
          check_inputs, each call against the eager forward.
@@ -253,6 +257,42 @@ def dropout_case(rng, case):
     return what, problems
 
 
+def autocast_case(rng, case):
+    layer_module = sys.modules["bert_fast.ops.encoder_layer"]
+    config = encoder_config(rng, rng.choice([1, 2, 3, 4]), rng.choice([8, 12, 16, 24, 32]),
+                            rng.choice([0.0, 0.0, 0.1, 0.3]))
+    batch, seqlen = rng.choice([1, 2, 3, 5]), rng.randint(1, min(20, config["max_len"]))
+    skip, activation = rng.random() < 0.3, rng.choice(["relu", "gelu", "gelu_tanh"])
+    form = rng.choice(["none", "1d", "1d_int"] + ([] if skip else ["2d"]))
+    what = (f"dropout {config['dropout']} skip_padding={skip} {activation} valid_lens {form} B{batch} L{seqlen} "
+            f"H{config['num_hiddens']} heads {config['num_heads']} FFN {config['ffn_num_hiddens']} "
+            f"layers {config['num_layers']}: mixed add-norms against casting")
+    case["what"] = what
+    tokens = torch.randint(0, config["vocab_size"], (batch, seqlen))
+    segments = torch.randint(0, 2, (batch, seqlen))
+    valid_lens = lengths(rng, form, batch, seqlen)
+    model = FastBERTEncoder(**config, backend="triton", activation=activation, skip_padding=skip).train()
+    weights = torch.randn(batch, seqlen, config["num_hiddens"])
+    mixed_add_norms, results = layer_module._mixed_add_norms, []
+    try:
+        for mixed in (True, False):
+            layer_module._mixed_add_norms = mixed_add_norms if mixed else (lambda spec, x: False)
+            model.zero_grad(set_to_none=True)
+            with kernels_if(True), torch.autocast("cpu", torch.float16):
+                torch.manual_seed(777)
+                out = model(tokens, segments, valid_lens)
+                (out.float() * weights).sum().backward()
+            results.append((out.detach(), grads(model)))
+    finally:
+        layer_module._mixed_add_norms = mixed_add_norms
+    (out, got), (want, expected) = results
+    problems = [] if torch.equal(out, want) else [f"output: {max_diff(out, want):.3g}"]
+    for name, grad in expected.items():
+        if (grad is None) != (got[name] is None) or (grad is not None and not torch.equal(grad, got[name])):
+            problems.append(f"grad {name}: {'present in one only' if grad is None or got[name] is None else max_diff(got[name], grad)}")
+    return what, problems
+
+
 def graphs_case(rng, case):
     from tests.helpers import StubSteps, encoder_config as test_config
     cuda_graph._steps = StubSteps()
@@ -279,7 +319,8 @@ def graphs_case(rng, case):
     return what, problems
 
 
-CASES = {"encoder": encoder_case, "hf": hf_case, "dropout": dropout_case, "graphs": graphs_case}
+CASES = {"encoder": encoder_case, "hf": hf_case, "dropout": dropout_case, "autocast": autocast_case,
+         "graphs": graphs_case}
 
 
 def main(argv=None):
