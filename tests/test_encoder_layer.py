@@ -236,14 +236,26 @@ def test_a_norm_the_add_norm_kernel_cannot_take_runs_the_per_op_path(backend, mo
 AMP_TOLERANCE = {torch.bfloat16: 6e-2, torch.float16: 1e-2}
 
 
-@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "autocast"])
+@pytest.mark.parametrize("amp", [None, torch.bfloat16, pytest.param("kernels", marks=needs_kernels)],
+                         ids=["fp32", "autocast", "autocast-kernels"])
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_recomputing_layer_keeps_its_input_and_gives_the_same_gradients(backend, dropout, amp, monkeypatch):
     """ops.encoder_layer(recompute=True), what bert_fast.hf's gradient checkpointing runs: its
     node keeps x and the Parameters only, and its backward runs the forward again with the
     forward's dropout seeds (whatever the generator did since) under the forward's autocast:
-    the plain node's output and gradients, bit for bit."""
+    the plain node's output and gradients, bit for bit. "autocast-kernels": through the Triton
+    kernels (interpreter; fp16, see below), whose add-norms take the branch in autocast's dtype."""
+    if amp != "kernels":
+        check_recompute(backend, dropout, amp, monkeypatch)
+        return
+    if torch.cuda.is_available():
+        pytest.skip("interpreter only (the GPU's autocast tests run the kernels on CUDA)")
+    with interpreted_kernels():
+        check_recompute(backend, dropout, torch.float16, monkeypatch)
+
+
+def check_recompute(backend, dropout, amp, monkeypatch):
     block = make_block(backend, dropout=dropout, use_bias=True, activation="gelu")
     x, grad_out = inputs()
     params = {id(p) for p in block.parameters()}
