@@ -457,8 +457,8 @@ def make_record(rows, options, argv):
                     ffn_num_hiddens=options.ffn, vocab_size=VOCAB_SIZE, batch=options.batch,
                     seq=options.seq, dropout=options.dropout, check_inputs=options.check_inputs,
                     skip_padding=options.skip_padding, checkpointing=options.checkpointing,
-                    autocast=options.autocast, rounds=options.rounds, calls_per_round=options.calls, warmup_rounds=options.warmup,
-                    seed=options.seed, timing=TIMING),
+                    autocast=options.autocast, rounds=options.rounds, calls_per_round=options.calls,
+                    warmup_rounds=options.warmup, seed=options.seed, timing=TIMING),
         rows=rows)
 
 
