@@ -252,8 +252,10 @@ class _DeferredSums:
 # The add-norm backward of the cuda backend's fused layer: the extension's (True), which sums its
 # own weight and bias gradients, while the branch bias's are two torch.sum launches a layer; or
 # Triton's (False) on the extension forward's statistics (the same dropout mask, _philox.py),
-# with every column sum of the layer in one launch (_DeferredSums). Which trains faster is for
-# a GPU to say (scripts/profile_kernels.py --train --backends auto auto:extension-addnorm-bwd):
+# with every column sum of the layer in one launch (_DeferredSums); under autocast on Triton's
+# forward too, whose add-norms take the branch in autocast's dtype (_mixed_add_norms). Which
+# trains faster is for a GPU to say (scripts/profile_kernels.py --train --backends auto
+# auto:extension-addnorm-bwd):
 # on an H200 (2026-11-26, BERT-base bf16 B32 L128 training step) Triton's, 6.74 ms of kernel time
 # and 371 launches a step against the extension's 7.02 ms and 443 (its branch-bias sums).
 EXTENSION_ADDNORM_BACKWARD = False
