@@ -672,28 +672,20 @@ def test_gpu_fused_layer_matches_the_per_op_path(backend, valid_lens, dtype):
 @pytest.mark.skipif(not BF16_OK, reason="needs a GPU with bf16")
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_gpu_fused_layer_under_autocast(backend, dropout, monkeypatch):
+def test_gpu_fused_layer_under_autocast(backend, dropout):
     """CUDA autocast (bf16, fp32 Parameters: the training step's setting), where the add-norms
     take the branch's GEMM output in bf16 beside the fp32 residual (_mixed_add_norms): fp32
-    output and gradients, the per-op path's within bf16's tolerance, and on ``triton`` the same
-    bits as the layer casting the branch both ways."""
-    layer_module = importlib.import_module("bert_fast.ops.encoder_layer")
+    output and gradients, the per-op path's within bf16's tolerance. (The same bits as the layer
+    casting the branch both ways are checked in the interpreter: compiled, the two kernel
+    specialisations may differ in fp32's last bits, see helpers.assert_same_computation, which
+    bf16's rounding between the layers can then make a bf16 unit.)"""
     block = make_block(backend, dropout=dropout, use_bias=True, activation="gelu", device="cuda")
     x, grad_out = inputs("cuda")
-    valid_lens = VALID_LENS["1d"].cuda()
     with torch.autocast("cuda", torch.bfloat16):
-        fused, per_op = fused_and_per_op(block, x, valid_lens, grad_out)
+        fused, per_op = fused_and_per_op(block, x, VALID_LENS["1d"].cuda(), grad_out)
     assert fused[0].dtype == torch.float32
     assert all(grad is None or grad.dtype == torch.float32 for grad in fused[2].values())
     assert_same(fused, per_op, atol=AMP_TOLERANCE[torch.bfloat16], rtol=AMP_TOLERANCE[torch.bfloat16])
-    if backend != "triton":         # (cuda's casting path runs the extension's add-norm forward)
-        return
-    monkeypatch.setattr(layer_module, "_mixed_add_norms", lambda spec, x: False)
-    with torch.autocast("cuda", torch.bfloat16):
-        casting = run(block, x, valid_lens, grad_out)
-    assert torch.equal(fused[0], casting[0])
-    for name, grad in casting[2].items():
-        assert grad is None or torch.equal(fused[2][name], grad), name
 
 
 @needs_cuda
