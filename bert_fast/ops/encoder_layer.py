@@ -367,7 +367,8 @@ def _mixed_add_norms(spec, x):
     under autocast on the kernels' path, where the backward is Triton's (not the extension's,
     whose ops take one dtype; nor the CPU kernels). The forward's two casts to the norm's dtype
     and the backward's two back are left out (four launches a layer), and the branch outputs
-    are saved at half the size; the results are the same bits."""
+    are saved at half the size. The same arithmetic as casting: the same bits in Triton's
+    interpreter (compiled, the kernels' specialisations may differ in fp32's last bits)."""
     return spec.amp_dtype is not None and not cpu_kernel(x) and not (spec.extension and EXTENSION_ADDNORM_BACKWARD)
 
 
